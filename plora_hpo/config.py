@@ -1,0 +1,203 @@
+"""Sweep files: YAML → validated :class:`SweepConfig`, with one-line errors that say where.
+
+A sweep file names everything one run of ``plora-hpo sweep`` needs: base model, task(s),
+target modules, sequence length, training budget, evaluation, seed, pack size, and the
+hyperparameter search space (see :mod:`plora_hpo.space`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from plora_hpo.errors import ConfigError
+from plora_hpo.shapes import TARGET_MODULES
+
+TASK_NAMES = ("synthetic", "gsm8k", "mrpc", "cola")
+SAMPLERS = ("grid", "tpe", "gp", "random")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ParamSpec(_Strict):
+    """One hyperparameter: either ``choices`` (categorical) or a ``low``..``high`` range."""
+
+    choices: list[float] | None = Field(None, description="Categorical values (grid-searchable).")
+    low: float | None = Field(None, gt=0, description="Lower bound of a range.")
+    high: float | None = Field(None, gt=0, description="Upper bound of a range.")
+    log: bool = Field(False, description="Sample the range log-uniformly.")
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> ParamSpec:
+        if (self.choices is None) == (self.low is None or self.high is None):
+            raise ValueError("give either 'choices' or both 'low' and 'high'")
+        if self.choices is not None:
+            if not self.choices:
+                raise ValueError("'choices' is empty")
+            if any(c <= 0 for c in self.choices):
+                raise ValueError(f"every choice must be > 0, got {self.choices}")
+        elif self.low > self.high:
+            raise ValueError(f"low ({self.low}) is above high ({self.high})")
+        return self
+
+    @property
+    def is_categorical(self) -> bool:
+        return self.choices is not None
+
+
+class SpaceSpec(_Strict):
+    """The four LoRA hyperparameters. Alpha is ``alpha_multiplier × rank`` (DESIGN.md §4)."""
+
+    rank: ParamSpec = Field(description="LoRA rank r; ranges are sampled as integers.")
+    alpha_multiplier: ParamSpec = Field(description="alpha = multiplier × rank (r/4 → 0.25, 4r → 4).")
+    learning_rate: ParamSpec = Field(description="Peak AdamW learning rate.")
+    batch_size: ParamSpec = Field(description="Sequences per step for this adapter; ranges are integers.")
+
+    @model_validator(mode="after")
+    def _integers(self) -> SpaceSpec:
+        for name in ("rank", "batch_size"):
+            spec: ParamSpec = getattr(self, name)
+            values = spec.choices if spec.is_categorical else [spec.low, spec.high]
+            if any(int(v) != v for v in values):
+                raise ValueError(f"{name} values must be whole numbers, got {values}")
+        return self
+
+
+class BudgetSpec(_Strict):
+    """Training length of every adapter: ``steps`` (optimizer steps) or ``epochs`` over its data."""
+
+    steps: int | None = Field(None, gt=0, description="Optimizer steps per adapter.")
+    epochs: float | None = Field(None, gt=0, description="Passes over the training set per adapter.")
+    max_train_examples: int | None = Field(
+        None, gt=0, description="Use only the first N training examples (after a seeded shuffle)."
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> BudgetSpec:
+        if (self.steps is None) == (self.epochs is None):
+            raise ValueError("give exactly one of 'steps' or 'epochs'")
+        return self
+
+
+class EvalSpec(_Strict):
+    """How each trained adapter is scored (lm-eval task settings)."""
+
+    limit: int | None = Field(None, gt=0, description="Score only the first N evaluation documents.")
+    batch_size: int = Field(32, gt=0, description="Rows per forward pass (shared across adapters).")
+    num_fewshot: int | None = Field(None, ge=0, description="Override the task's few-shot count.")
+    max_new_tokens: int = Field(256, gt=0, description="Generation cap for generate_until tasks.")
+    bootstrap_iters: int = Field(0, ge=0, description="lm-eval bootstrap iterations for stderr.")
+
+
+class PackSpec(_Strict):
+    """How trials are grouped into packs that train together."""
+
+    size: int = Field(4, gt=0, description="Most adapters trained together in one pack.")
+    gather_seconds: float = Field(
+        2.0, ge=0, description="How long study.optimize waits for concurrent trials before a pack starts."
+    )
+
+
+class TrainSpec(_Strict):
+    """Optimizer settings shared by all adapters (the search space varies the rest)."""
+
+    lr_schedule: Literal["constant", "linear", "cosine"] = "linear"
+    warmup_ratio: float = Field(0.0, ge=0, lt=1)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Per-adapter gradient clipping; null = off.")
+    use_rslora: bool = False
+    report_every: int = Field(1, gt=0, description="Report training loss to Optuna/MLflow every N steps.")
+
+
+class SweepConfig(_Strict):
+    """A whole sweep: what to train, how to score it, and what to search over."""
+
+    name: str = Field(description="Study and MLflow experiment name.")
+    model: str = Field(
+        "smollm2-135m",
+        description="'smollm2-135m' (embedded), a hub id or local path, or 'random:<shape>' for benchmarks.",
+    )
+    tasks: list[str] = Field(description=f"Tasks to tune, one study each: {', '.join(TASK_NAMES)}.")
+    target_modules: list[str] = Field(list(TARGET_MODULES), description="Projections that get adapters.")
+    seq_len: int = Field(512, gt=0, description="Training sequences are truncated to this many tokens.")
+    seed: int = Field(0, description="Seeds the sampler, adapter inits and data orders.")
+    budget: BudgetSpec
+    space: SpaceSpec
+    sampler: Literal["grid", "tpe", "gp", "random"] = "tpe"
+    n_trials: int | None = Field(None, gt=0, description="Trials per task; grid defaults to the grid size.")
+    train: TrainSpec = TrainSpec()
+    evaluation: EvalSpec = EvalSpec()
+    pack: PackSpec = PackSpec()
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+
+    @field_validator("tasks")
+    @classmethod
+    def _known_tasks(cls, tasks: list[str]) -> list[str]:
+        if not tasks:
+            raise ValueError("list at least one task")
+        unknown = [t for t in tasks if t not in TASK_NAMES]
+        if unknown:
+            raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASK_NAMES)}")
+        return tasks
+
+    @field_validator("target_modules")
+    @classmethod
+    def _known_modules(cls, modules: list[str]) -> list[str]:
+        if not modules:
+            raise ValueError("list at least one target module")
+        unknown = [m for m in modules if m not in TARGET_MODULES]
+        if unknown:
+            raise ValueError(f"unknown target module {unknown[0]!r}; choose from {', '.join(TARGET_MODULES)}")
+        return modules
+
+    @model_validator(mode="after")
+    def _grid_is_categorical(self) -> SweepConfig:
+        if self.sampler == "grid":
+            ranged = [n for n, s in self.space if not s.is_categorical]
+            if ranged:
+                raise ValueError(f"sampler 'grid' needs 'choices' for every parameter; {ranged[0]} is a range")
+        return self
+
+
+def _format_validation_error(path: Path, err: ValidationError) -> str:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        message = "unknown key; remove it or check its spelling"
+    elif first["type"] == "missing":
+        message = "required key is missing"
+    extra = f" (+{err.error_count() - 1} more problems)" if err.error_count() > 1 else ""
+    return f"{path}: {where}: {message}{extra}"
+
+
+def parse_sweep(data: Any, source: Path) -> SweepConfig:
+    """Validate already-parsed YAML; errors name the file and the key path."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of sweep settings at the top level")
+    try:
+        return SweepConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(source, err)) from None
+
+
+def load_sweep(path: str | Path, overrides: dict[str, Any] | None = None) -> SweepConfig:
+    """Read and validate a sweep file. ``overrides`` replaces top-level keys (CLI flags)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: no such sweep file; pass a YAML file such as search_spaces/demo.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"{path}{where}: YAML syntax error: {problem}; fix the file there") from None
+    if isinstance(data, dict) and overrides:
+        data = {**data, **{k: v for k, v in overrides.items() if v is not None}}
+    return parse_sweep(data, path)
