@@ -5,8 +5,8 @@ benchmarks all call :func:`packed_lora` and get the Triton kernels on CUDA, the 
 reference elsewhere.
 """
 
+from plora_hpo.kernels.dispatch import packed_lora, packed_lora_add
 from plora_hpo.kernels.layout import SegmentLayout
 from plora_hpo.kernels.reference import packed_lora_reference
-from plora_hpo.kernels.dispatch import packed_lora, packed_lora_add
 
 __all__ = ["SegmentLayout", "packed_lora", "packed_lora_add", "packed_lora_reference"]

@@ -33,6 +33,9 @@ def packed_lora(
         except ImportError:  # Triton kernels not built yet or triton missing
             return packed_lora_reference(x, a_cat, b_cat, layout)
 
+        return packed_lora_triton(x, a_cat, b_cat, layout)
+    return packed_lora_reference(x, a_cat, b_cat, layout)
+
 
 def packed_lora_add(
     base_out: torch.Tensor,
@@ -43,5 +46,3 @@ def packed_lora_add(
 ) -> torch.Tensor:
     """``base_out + packed_lora(x, ...)``; the Triton path may accumulate in place."""
     return base_out + packed_lora(x, a_cat, b_cat, layout)
-        return packed_lora_triton(x, a_cat, b_cat, layout)
-    return packed_lora_reference(x, a_cat, b_cat, layout)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, pairwise
 
 import torch
 
@@ -31,7 +31,7 @@ class SegmentLayout:
                 f"{len(self.token_offsets)} token and {len(self.rank_offsets)} rank offsets"
             )
         for name, offsets in (("token", self.token_offsets), ("rank", self.rank_offsets)):
-            if any(b < a for a, b in zip(offsets, offsets[1:])) or offsets[0] < 0:
+            if any(b < a for a, b in pairwise(offsets)) or offsets[0] < 0:
                 raise ValueError(f"SegmentLayout {name}_offsets must be non-negative and sorted: {offsets}")
 
     @classmethod

@@ -160,7 +160,9 @@ class SweepConfig(_Strict):
         if self.sampler == "grid":
             ranged = [n for n, s in self.space if not s.is_categorical]
             if ranged:
-                raise ValueError(f"sampler 'grid' needs 'choices' for every parameter; {ranged[0]} is a range")
+                raise ValueError(
+                    f"sampler 'grid' needs 'choices' for every parameter; {ranged[0]} is a range"
+                )
         return self
 
 
