@@ -23,18 +23,15 @@ def packed_lora_reference(
     """
     n, d_out = x.shape[0], b_cat.shape[0]
     compute_dtype = a_cat.dtype
-    pieces: list[torch.Tensor] = []
-    cursor = 0
+    starts, ends = layout.token_offsets[0], layout.token_offsets[-1]
+    # split (not slicing) so that backward concatenates gradients instead of summing K
+    # zero-padded copies of x's gradient
+    x_parts = x.split([starts, *layout.segment_lengths(), n - ends])
+    a_parts = a_cat.split(layout.ranks())
+    b_parts = b_cat.split(layout.ranks(), dim=1)
+    pieces = [x_parts[0].new_zeros(starts, d_out, dtype=compute_dtype)]
     for k in range(layout.num_adapters):
-        t0, t1 = layout.token_offsets[k], layout.token_offsets[k + 1]
-        r0, r1 = layout.rank_offsets[k], layout.rank_offsets[k + 1]
-        if t1 == t0:
-            continue
-        if t0 > cursor:
-            pieces.append(x.new_zeros(t0 - cursor, d_out, dtype=compute_dtype))
-        xs = x[t0:t1].to(compute_dtype)
-        pieces.append((xs @ a_cat[r0:r1].t()) @ b_cat[:, r0:r1].t() * layout.scalings[k])
-        cursor = t1
-    if cursor < n:
-        pieces.append(x.new_zeros(n - cursor, d_out, dtype=compute_dtype))
-    return torch.cat(pieces).to(x.dtype) if pieces else x.new_zeros(n, d_out)
+        xs = x_parts[k + 1].to(compute_dtype)
+        pieces.append((xs @ a_parts[k].t()) @ b_parts[k].t() * layout.scalings[k])
+    pieces.append(x_parts[-1].new_zeros(n - ends, d_out, dtype=compute_dtype))
+    return torch.cat(pieces).to(x.dtype)

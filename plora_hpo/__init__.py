@@ -1,0 +1,38 @@
+"""plora_hpo: LoRA hyperparameter search with many trials packed onto one frozen base model.
+
+The public API is imported lazily so that ``plora_hpo.engine`` and ``plora_hpo.kernels`` stay
+importable on machines with only torch, transformers and triton (no optuna/mlflow/lm-eval).
+
+Example:
+    >>> from plora_hpo import PackedObjective, PackedSweep, create_study, load_sweep  # doctest: +SKIP
+    >>> config = load_sweep("search_spaces/demo.yaml")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AdapterConfig": "plora_hpo.adapter",
+    "SweepConfig": "plora_hpo.config",
+    "load_sweep": "plora_hpo.config",
+    "SearchSpace": "plora_hpo.space",
+    "PackedSweep": "plora_hpo.sweep",
+    "TrialRequest": "plora_hpo.sweep",
+    "TrialOutcome": "plora_hpo.sweep",
+    "PackedObjective": "plora_hpo.study",
+    "create_study": "plora_hpo.study",
+    "optimize_in_packs": "plora_hpo.study",
+    "ask_batch": "plora_hpo.study",
+    "SweepTracker": "plora_hpo.tracking",
+    "PloraError": "plora_hpo.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'plora_hpo' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

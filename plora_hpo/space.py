@@ -110,3 +110,15 @@ class SearchSpace:
             if name in _INTEGER_PARAMS:
                 point[name] = round(point[name])
         return point
+
+    def contains(self, params: dict[str, Any]) -> bool:
+        """Whether a point (e.g. the reference trial) lies inside this space."""
+        for name, p in self._params():
+            value = params.get(name)
+            if value is None:
+                return False
+            if p.is_categorical and not any(abs(value - c) <= 1e-12 * abs(c) for c in p.choices):
+                return False
+            if not p.is_categorical and not (p.low <= value <= p.high):
+                return False
+        return True

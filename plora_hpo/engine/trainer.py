@@ -92,12 +92,13 @@ def adapter_losses(
     Full-vocabulary logits of every position are never built: only label positions go through
     the LM head, in chunks.
     """
-    h, targets = hidden[:, :-1], labels[:, 1:]
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    # rows are grouped by adapter, so the kept tokens are too: one gather, then split
+    selected = hidden[:, :-1][keep]
+    counts = [int(keep[sl].sum()) for sl in rows.values()]
     losses: dict[str, torch.Tensor] = {}
-    for adapter_id, sl in rows.items():
-        t = targets[sl]
-        keep = t != IGNORE_INDEX
-        hs, ts = h[sl][keep], t[keep]
+    for adapter_id, hs, ts in zip(rows, selected.split(counts), targets[keep].split(counts)):
         if ts.numel() == 0:
             losses[adapter_id] = hidden.sum() * 0.0
             continue

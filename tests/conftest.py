@@ -1,0 +1,88 @@
+"""Shared fixtures: real data location, a real MLflow server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_data_dir() -> Path | None:
+    """The real GSM8K/GLUE copies: $PLORA_HPO_TEST_DATA, else ../shared/data beside the repo."""
+    path = Path(os.environ.get("PLORA_HPO_TEST_DATA", REPO.parent / "shared" / "data"))
+    return path if path.is_dir() else None
+
+
+@pytest.fixture(scope="session")
+def data_dir() -> Path:
+    path = test_data_dir()
+    if path is None:
+        pytest.skip("real task data not found: set PLORA_HPO_TEST_DATA to the shared/data folder")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MlflowServer:
+    """A real ``mlflow server`` (sqlite backend) that tests can stop and restart."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.port = _free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 90.0) -> None:
+        self.process = subprocess.Popen(
+            [
+                sys.executable, "-m", "mlflow", "server",
+                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+                "--artifacts-destination", str(self.root / "artifacts"),
+                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+            ],
+            stdout=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group, so stop() ends the workers too
+            stderr=open(self.root / "server.log", "ab"),  # noqa: SIM115
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError(f"mlflow server did not start; see {self.root / 'server.log'}")
+
+    def stop(self) -> None:
+        """Kill the server and its workers at once (a dead server is what outage tests want)."""
+        if self.process is not None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=30)
+            self.process = None
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory) -> MlflowServer:
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
+    server.start()
+    yield server
+    server.stop()

@@ -1,0 +1,71 @@
+"""Search spaces: the paper grid, Optuna distributions, and configs built from trial params."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import optuna
+import pytest
+
+from plora_hpo.config import load_sweep
+from plora_hpo.space import SearchSpace
+from plora_hpo.study import REFERENCE_PARAMS
+
+SPACES = Path(__file__).resolve().parents[1] / "search_spaces"
+
+
+def space_of(name: str) -> SearchSpace:
+    config = load_sweep(SPACES / name)
+    return SearchSpace(config.space, seed=config.seed)
+
+
+def test_paper120_is_the_design_grid():
+    space = space_of("paper120.yaml")
+    configs = space.enumerate_configs()
+    assert len(configs) == space.grid_size() == 120
+    assert {c.rank for c in configs} == {8, 16, 32, 64, 128}
+    assert {c.alpha / c.rank for c in configs} == {0.25, 1.0, 4.0}
+    assert {c.learning_rate for c in configs} == {2e-5, 1e-4, 2e-4, 4e-4}
+    assert {c.batch_size for c in configs} == {2, 8}
+    assert len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in configs}) == 120
+    assert space.contains(REFERENCE_PARAMS)
+
+
+def test_adaptive_space_is_continuous_and_samples_inside_bounds():
+    space = space_of("adaptive.yaml")
+    assert not space.is_grid
+    dists = space.distributions()
+    assert dists["learning_rate"].log and isinstance(dists["learning_rate"], optuna.distributions.FloatDistribution)
+    for config in space.enumerate_configs(n_samples=50):
+        assert 2e-5 <= config.learning_rate <= 4e-4
+        assert 0.25 * config.rank <= config.alpha <= 4 * config.rank + 1e-9
+    with pytest.raises(ValueError):
+        space.grid()
+
+
+@pytest.mark.parametrize("sampler", ["grid", "tpe", "gp", "random"])
+def test_every_sampler_proposes_valid_configs(sampler):
+    space = space_of("paper120.yaml")
+    samplers = {
+        "grid": optuna.samplers.GridSampler(space.grid(), seed=0),
+        "tpe": optuna.samplers.TPESampler(seed=0),
+        "gp": optuna.samplers.GPSampler(seed=0),
+        "random": optuna.samplers.RandomSampler(seed=0),
+    }
+    study = optuna.create_study(direction="maximize", sampler=samplers[sampler])
+    seen = set()
+    for _ in range(6):
+        trial = study.ask()
+        config = space.suggest(trial)
+        assert config.rank in {8, 16, 32, 64, 128} and config.batch_size in {2, 8}
+        seen.add((config.rank, config.alpha, config.learning_rate, config.batch_size))
+        study.tell(trial, -config.learning_rate * config.rank)  # any deterministic value
+    if sampler == "grid":
+        assert len(seen) == 6  # the grid never repeats a point
+
+
+def test_trial_seeds_differ_and_depend_on_sweep_seed():
+    a, b = space_of("demo.yaml"), space_of("demo.yaml")
+    b.seed = 7
+    assert a.trial_seed(0) != a.trial_seed(1)
+    assert a.trial_seed(3) != b.trial_seed(3)
