@@ -44,5 +44,12 @@ def packed_lora_add(
     b_cat: torch.Tensor,
     layout: SegmentLayout,
 ) -> torch.Tensor:
-    """``base_out + packed_lora(x, ...)``; the Triton path may accumulate in place."""
+    """``base_out + packed_lora(x, ...)``; the Triton path fuses the add into its expand kernel."""
+    if _triton_wanted(x):
+        try:
+            from plora_hpo.kernels.triton_lora import packed_lora_add_triton
+        except ImportError:  # Triton kernels not built yet or triton missing
+            return base_out + packed_lora_reference(x, a_cat, b_cat, layout)
+
+        return packed_lora_add_triton(base_out, x, a_cat, b_cat, layout)
     return base_out + packed_lora(x, a_cat, b_cat, layout)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import accumulate, pairwise
+from typing import Any
 
 import torch
 
@@ -72,4 +74,11 @@ class SegmentLayout:
                 torch.tensor(self.rank_offsets, dtype=torch.int32, device=device),
                 torch.tensor(self.scalings, dtype=torch.float32, device=device),
             )
+        return self._device_cache[key]
+
+    def cached(self, key: Any, build: Callable[[], Any]) -> Any:
+        """Memoise ``build()`` under ``key`` on this layout, so per-layout device data (e.g. the
+        Triton kernels' tile maps) is built once however many layers call with the same layout."""
+        if key not in self._device_cache:
+            self._device_cache[key] = build()
         return self._device_cache[key]

@@ -1,0 +1,357 @@
+"""The three Triton kernels every packed LoRA pass is built from.
+
+With ``h = s·x·Aᵀ`` (per adapter, per token) and ``g = s·dy·B``:
+
+===========  ===================  ==========================  ==========================
+kernel       reduces over         forward                     backward (DESIGN.md §2)
+===========  ===================  ==========================  ==========================
+shrink       hidden (d_in/d_out)  h = s·x·A_kᵀ                g = s·dy·B_k        (case 2)
+expand       rank (in one tile)   y = base + h·B_kᵀ           dx = g·A_k          (case 4)
+outer        tokens of segment k  —                           dB_k = dyᵀ·h (1), dA_k = gᵀ·x (3)
+===========  ===================  ==========================  ==========================
+
+Tiles run along tokens and hidden columns; an adapter's rank is one padded, masked tile
+(``RANK_TILE``, a power of two ≥ 16), never split. One launch serves every rank: each tile
+carries its rank tile, and the kernel branches to a body compiled for it (the ``T16``…
+``TBIG`` flags say which bodies to compile), so a rank-8 adapter does rank-16 work, not
+rank-128, and mixed ranks cost one launch, not one per rank.
+
+Dot operands are cast to the dtype of the big activation tensor (bf16 on the GPU, fp32 under
+the interpreter) and accumulate in fp32. The rank buffers ``h`` and ``g`` are stored in that
+dtype too, except while a split reduction adds into them atomically (fp32, cast afterwards).
+``ALIGN`` (a power of two dividing every rank offset) lets the compiler vectorise loads along
+the rank dimension, whose start is only known at run time.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rank_columns(rank_ptr, hoff_ptr, k, ALIGN: tl.constexpr):
+    """(first rank column, rank, offset into h) of adapter k, with their known alignment."""
+    r0 = tl.load(rank_ptr + k)
+    rank = tl.load(rank_ptr + k + 1) - r0
+    hoff = tl.load(hoff_ptr + k)
+    if ALIGN > 1:
+        r0 = tl.multiple_of(r0, ALIGN)
+        rank = tl.multiple_of(rank, ALIGN)
+        hoff = tl.multiple_of(hoff, ALIGN)
+    return r0, rank, hoff
+
+
+@triton.jit
+def _shrink_tile(
+    m_ptr, w_ptr, h_ptr, k, row0, split, n_split, tok_ptr, rank_ptr, hoff_ptr, scale_ptr,
+    n_cols, stride_mt, stride_mc, stride_wc, stride_wr,
+    RANK_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    EVEN_C: tl.constexpr, USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    t1 = tl.load(tok_ptr + k + 1)
+    t0 = tl.load(tok_ptr + k)
+    r0, rank, hoff = _rank_columns(rank_ptr, hoff_ptr, k, ALIGN)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < t1
+    ranks = tl.arange(0, RANK_TILE)
+    rank_ok = ranks < rank
+    cols = tl.arange(0, BLOCK_C)
+
+    chunks = tl.cdiv(tl.cdiv(n_cols, BLOCK_C), n_split)
+    c_begin = split * chunks * BLOCK_C
+    c_end = tl.minimum(n_cols, c_begin + chunks * BLOCK_C)
+    m_ptrs = m_ptr + rows.to(tl.int64)[:, None] * stride_mt + (c_begin + cols)[None, :] * stride_mc
+    w_ptrs = w_ptr + (c_begin + cols)[:, None] * stride_wc + (r0 + ranks)[None, :] * stride_wr
+    dot_dtype = m_ptr.dtype.element_ty
+
+    acc = tl.zeros((BLOCK_M, RANK_TILE), dtype=tl.float32)
+    for c0 in range(c_begin, c_end, BLOCK_C):
+        if EVEN_C:
+            m = tl.load(m_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=rank_ok[None, :], other=0.0)
+        else:
+            c_ok = c0 + cols < c_end
+            m = tl.load(m_ptrs, mask=row_ok[:, None] & c_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=c_ok[:, None] & rank_ok[None, :], other=0.0)
+        acc = tl.dot(m.to(dot_dtype), w.to(dot_dtype), acc, input_precision="ieee")
+        m_ptrs += BLOCK_C * stride_mc
+        w_ptrs += BLOCK_C * stride_wc
+
+    acc = acc * tl.load(scale_ptr + k)
+    h_ptrs = h_ptr + hoff + (rows - t0)[:, None] * rank + ranks[None, :]
+    mask = row_ok[:, None] & rank_ok[None, :]
+    if USE_ATOMIC:
+        tl.atomic_add(h_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(h_ptrs, acc.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def shrink_kernel(
+    m_ptr, w_ptr, h_ptr, tiles_ptr, tok_ptr, rank_ptr, hoff_ptr, scale_ptr,
+    n_cols, stride_mt, stride_mc, stride_wc, stride_wr,
+    SINGLE: tl.constexpr, T16: tl.constexpr, T32: tl.constexpr, T64: tl.constexpr, T128: tl.constexpr,
+    TBIG: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_C: tl.constexpr,
+    USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """``h[t, :r_k] (+)= s_k · Σ_c m[t, c] · w_k[c, :r_k]`` for one row tile and one column split.
+
+    ``w_k[c, j]`` sits at ``w_ptr + c*stride_wc + (rank_offset_k + j)*stride_wr``, so the same
+    kernel reads A (as Aᵀ) in the forward and B in the backward. Tiles: (k, first row, rank tile).
+    """
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    k = tl.load(tiles_ptr + 3 * tile)
+    row0 = tl.load(tiles_ptr + 3 * tile + 1)
+    rt = tl.load(tiles_ptr + 3 * tile + 2)
+    if SINGLE > 0:  # one rank tile: no runtime branch
+        _shrink_tile(
+            m_ptr, w_ptr, h_ptr, k, row0, split, n_split, tok_ptr, rank_ptr, hoff_ptr, scale_ptr,
+            n_cols, stride_mt, stride_mc, stride_wc, stride_wr,
+            SINGLE, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+        )  # fmt: skip
+    else:
+        if T16:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 16:
+                _shrink_tile(
+                    m_ptr, w_ptr, h_ptr, k, row0, split, n_split, tok_ptr, rank_ptr, hoff_ptr, scale_ptr,
+                    n_cols, stride_mt, stride_mc, stride_wc, stride_wr,
+                    16, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+        if T32:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 32:
+                _shrink_tile(
+                    m_ptr, w_ptr, h_ptr, k, row0, split, n_split, tok_ptr, rank_ptr, hoff_ptr, scale_ptr,
+                    n_cols, stride_mt, stride_mc, stride_wc, stride_wr,
+                    32, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+        if T64:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 64:
+                _shrink_tile(
+                    m_ptr, w_ptr, h_ptr, k, row0, split, n_split, tok_ptr, rank_ptr, hoff_ptr, scale_ptr,
+                    n_cols, stride_mt, stride_mc, stride_wc, stride_wr,
+                    64, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+        if T128:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 128:
+                _shrink_tile(
+                    m_ptr, w_ptr, h_ptr, k, row0, split, n_split, tok_ptr, rank_ptr, hoff_ptr, scale_ptr,
+                    n_cols, stride_mt, stride_mc, stride_wc, stride_wr,
+                    128, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+        if TBIG > 0:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == TBIG:
+                _shrink_tile(
+                    m_ptr, w_ptr, h_ptr, k, row0, split, n_split, tok_ptr, rank_ptr, hoff_ptr, scale_ptr,
+                    n_cols, stride_mt, stride_mc, stride_wc, stride_wr,
+                    TBIG, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+
+
+@triton.jit
+def _expand_tile(
+    h_ptr, w_ptr, out_ptr, base_ptr, k, row0, pid_c, grid_c, tok_ptr, rank_ptr, hoff_ptr,
+    n_cols, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
+    RANK_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    EVEN_C: tl.constexpr, HAS_BASE: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    t0 = tl.load(tok_ptr + k)
+    t1 = tl.load(tok_ptr + k + 1)
+    r0, rank, hoff = _rank_columns(rank_ptr, hoff_ptr, k, ALIGN)
+    rows = row0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < t1
+    rows64 = rows.to(tl.int64)
+    ranks = tl.arange(0, RANK_TILE)
+    rank_ok = ranks < rank
+    cols = tl.arange(0, BLOCK_C)
+    dot_dtype = out_ptr.dtype.element_ty
+
+    h_ptrs = h_ptr + hoff + (rows - t0)[:, None] * rank + ranks[None, :]
+    h = tl.load(h_ptrs, mask=row_ok[:, None] & rank_ok[None, :], other=0.0).to(dot_dtype)
+    for c0 in range(pid_c * BLOCK_C, n_cols, grid_c * BLOCK_C):
+        cs = c0 + cols
+        w_ptrs = w_ptr + (r0 + ranks)[:, None] * stride_wr + cs[None, :] * stride_wc
+        if EVEN_C:
+            w = tl.load(w_ptrs, mask=rank_ok[:, None], other=0.0)
+            o_mask = row_ok[:, None]
+        else:
+            c_ok = cs < n_cols
+            w = tl.load(w_ptrs, mask=rank_ok[:, None] & c_ok[None, :], other=0.0)
+            o_mask = row_ok[:, None] & c_ok[None, :]
+        acc = tl.dot(h, w.to(dot_dtype), input_precision="ieee")
+        if HAS_BASE:
+            b_ptrs = base_ptr + rows64[:, None] * stride_bt + cs[None, :] * stride_bc
+            acc += tl.load(b_ptrs, mask=o_mask, other=0.0).to(tl.float32)
+        o_ptrs = out_ptr + rows64[:, None] * stride_ot + cs[None, :] * stride_oc
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def expand_kernel(
+    h_ptr, w_ptr, out_ptr, base_ptr, tiles_ptr, tok_ptr, rank_ptr, hoff_ptr,
+    n_cols, grid_c, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
+    SINGLE: tl.constexpr, T16: tl.constexpr, T32: tl.constexpr, T64: tl.constexpr, T128: tl.constexpr,
+    TBIG: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_C: tl.constexpr,
+    HAS_BASE: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """``out[t, c] = (base[t, c] +) Σ_j h[t, j] · w_k[j, c]`` for one row tile.
+
+    Program ``pid`` serves tile ``pid // grid_c`` and every ``grid_c``-th column block from
+    ``pid % grid_c``, so the h tile is loaded once and reused across its column blocks.
+    ``w_k[j, c]`` sits at ``w_ptr + (rank_offset_k + j)*stride_wr + c*stride_wc`` (B as Bᵀ in
+    the forward, A in the backward).
+    """
+    pid = tl.program_id(0)
+    tile = pid // grid_c
+    pid_c = pid % grid_c
+    k = tl.load(tiles_ptr + 3 * tile)
+    row0 = tl.load(tiles_ptr + 3 * tile + 1)
+    rt = tl.load(tiles_ptr + 3 * tile + 2)
+    if SINGLE > 0:  # one rank tile: no runtime branch
+        _expand_tile(
+            h_ptr, w_ptr, out_ptr, base_ptr, k, row0, pid_c, grid_c, tok_ptr, rank_ptr, hoff_ptr,
+            n_cols, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
+            SINGLE, BLOCK_M, BLOCK_C, EVEN_C, HAS_BASE, ALIGN,
+        )  # fmt: skip
+    else:
+        if T16:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 16:
+                _expand_tile(
+                    h_ptr, w_ptr, out_ptr, base_ptr, k, row0, pid_c, grid_c, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
+                    16, BLOCK_M, BLOCK_C, EVEN_C, HAS_BASE, ALIGN,
+                )  # fmt: skip
+        if T32:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 32:
+                _expand_tile(
+                    h_ptr, w_ptr, out_ptr, base_ptr, k, row0, pid_c, grid_c, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
+                    32, BLOCK_M, BLOCK_C, EVEN_C, HAS_BASE, ALIGN,
+                )  # fmt: skip
+        if T64:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 64:
+                _expand_tile(
+                    h_ptr, w_ptr, out_ptr, base_ptr, k, row0, pid_c, grid_c, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
+                    64, BLOCK_M, BLOCK_C, EVEN_C, HAS_BASE, ALIGN,
+                )  # fmt: skip
+        if T128:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 128:
+                _expand_tile(
+                    h_ptr, w_ptr, out_ptr, base_ptr, k, row0, pid_c, grid_c, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
+                    128, BLOCK_M, BLOCK_C, EVEN_C, HAS_BASE, ALIGN,
+                )  # fmt: skip
+        if TBIG > 0:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == TBIG:
+                _expand_tile(
+                    h_ptr, w_ptr, out_ptr, base_ptr, k, row0, pid_c, grid_c, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
+                    TBIG, BLOCK_M, BLOCK_C, EVEN_C, HAS_BASE, ALIGN,
+                )  # fmt: skip
+
+
+@triton.jit
+def _outer_tile(
+    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+    RANK_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    EVEN_C: tl.constexpr, USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    t0 = tl.load(tok_ptr + k)
+    t1 = tl.load(tok_ptr + k + 1)
+    r0, rank, hoff = _rank_columns(rank_ptr, hoff_ptr, k, ALIGN)
+    h_base = h_ptr + hoff
+    cs = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cs < n_cols
+    ranks = tl.arange(0, RANK_TILE)
+    rank_ok = ranks < rank
+    dot_dtype = m_ptr.dtype.element_ty
+
+    acc = tl.zeros((BLOCK_C, RANK_TILE), dtype=tl.float32)
+    for row0 in range(t0 + split * BLOCK_M, t1, n_split * BLOCK_M):
+        rows = row0 + tl.arange(0, BLOCK_M)
+        row_ok = rows < t1
+        m_ptrs = m_ptr + rows.to(tl.int64)[None, :] * stride_mt + cs[:, None] * stride_mc
+        if EVEN_C:
+            m = tl.load(m_ptrs, mask=row_ok[None, :], other=0.0)
+        else:
+            m = tl.load(m_ptrs, mask=c_ok[:, None] & row_ok[None, :], other=0.0)
+        h_ptrs = h_base + (rows - t0)[:, None] * rank + ranks[None, :]
+        h = tl.load(h_ptrs, mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
+        acc = tl.dot(m.to(dot_dtype), h.to(dot_dtype), acc, input_precision="ieee")
+
+    o_ptrs = out_ptr + cs[:, None] * stride_oc + (r0 + ranks)[None, :] * stride_or
+    mask = c_ok[:, None] & rank_ok[None, :]
+    if USE_ATOMIC:
+        tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
+    else:
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def outer_kernel(
+    m_ptr, h_ptr, out_ptr, adapters_ptr, tok_ptr, rank_ptr, hoff_ptr,
+    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+    SINGLE: tl.constexpr, T16: tl.constexpr, T32: tl.constexpr, T64: tl.constexpr, T128: tl.constexpr,
+    TBIG: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_C: tl.constexpr,
+    USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr,
+):  # fmt: skip
+    """``out_k[c, j] (+)= Σ_t m[t, c] · h[t, j]`` over (a split of) adapter k's token rows.
+
+    Grid: (column blocks, adapters, token splits); split ``i`` takes row tiles ``i, i + n_split,
+    ...`` of the segment. ``out_k[c, j]`` sits at ``out_ptr + c*stride_oc +
+    (rank_offset_k + j)*stride_or`` (dB as is, dA transposed). Adapters: (k, rank tile).
+    """
+    pid_c = tl.program_id(0)
+    k = tl.load(adapters_ptr + 2 * tl.program_id(1))
+    rt = tl.load(adapters_ptr + 2 * tl.program_id(1) + 1)
+    split = tl.program_id(2)
+    n_split = tl.num_programs(2)
+    if SINGLE > 0:  # one rank tile: no runtime branch
+        _outer_tile(
+            m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+            n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+            SINGLE, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+        )  # fmt: skip
+    else:
+        if T16:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 16:
+                _outer_tile(
+                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+                    16, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+        if T32:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 32:
+                _outer_tile(
+                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+                    32, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+        if T64:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 64:
+                _outer_tile(
+                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+                    64, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+        if T128:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == 128:
+                _outer_tile(
+                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+                    128, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip
+        if TBIG > 0:  # noqa: SIM102 - static (constexpr) test around a runtime one
+            if rt == TBIG:
+                _outer_tile(
+                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+                    TBIG, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                )  # fmt: skip

@@ -1,0 +1,96 @@
+"""Block sizes and work-splitting heuristics for the packed LoRA kernels.
+
+Kept apart from the kernels so the benchmark can sweep them and the tests can force the
+split (atomic) paths on a CPU interpreter that would never choose them by itself.
+
+Defaults come from one H200 sweep (benchmarks/results/kernels-h200-run1.json, 7b.up, K=32,
+before the rank-alignment hints): 128-row tiles for shrink/expand (halve the weight re-reads
+per byte of activations), 8 warps; outer products 64 rows × 128 columns, 8 warps. Not tuned
+since: see the issue notes for what is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """One kernel's tile width along the hidden dimension and its Triton launch options."""
+
+    block_c: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """All knobs of one packed-LoRA call.
+
+    Attributes:
+        block_m: token rows per tile of shrink and expand; a tile never mixes adapters.
+        shrink: reduce over the hidden dimension into the per-token rank buffer (x·Aᵀ, dy·B).
+        expand: rank buffer times a weight block out to the hidden dimension (·Bᵀ, ·A).
+        outer: token-reduced outer products, the weight gradients (dyᵀ·h, gᵀ·x).
+        outer_block_m: token rows per step of the outer kernel's loop over a segment.
+        waves: programs to aim for per multiprocessor before splitting a reduction.
+        merge_ranks: one launch for all ranks (kernels branch on each tile's rank) instead of
+            one launch per rank tile.
+        shrink_split / outer_split: force the number of partial sums (atomics) if set.
+        expand_grid: force the number of column programs per token tile if set.
+        poison: fill every buffer before the kernels write it with NaN (tests: an element a
+            kernel forgets to write shows up instead of passing as leftover zeros).
+    """
+
+    block_m: int = 128
+    shrink: LaunchConfig = field(default_factory=lambda: LaunchConfig(64, 8, 4))
+    expand: LaunchConfig = field(default_factory=lambda: LaunchConfig(128, 8, 3))
+    outer: LaunchConfig = field(default_factory=lambda: LaunchConfig(128, 8, 3))
+    outer_block_m: int = 64
+    waves: int = 4
+    merge_ranks: bool = True
+    shrink_split: int | None = None
+    outer_split: int | None = None
+    expand_grid: int | None = None
+    poison: bool = False
+
+
+_current: list[Tuning] = [Tuning()]
+
+
+def current() -> Tuning:
+    return _current[-1]
+
+
+@contextlib.contextmanager
+def override(**changes: object) -> Iterator[Tuning]:
+    """Temporarily change fields of the active :class:`Tuning` (tests, benchmark sweeps)."""
+    _current.append(replace(current(), **changes))
+    try:
+        yield _current[-1]
+    finally:
+        _current.pop()
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Multiprocessor count; 1 under the interpreter so CPU runs pick the least work."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return 1
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
