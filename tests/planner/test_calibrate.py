@@ -1,0 +1,109 @@
+"""Calibration: fits recover known factors, persist per (model, GPU), and reach the planner."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+
+from plora_hpo.errors import PloraError
+from plora_hpo.planner.calibrate import (
+    Observation,
+    calibration_path,
+    fit_calibration,
+    load_calibration,
+    record_observation,
+)
+from plora_hpo.planner.calibration import Calibration
+from plora_hpo.planner.cost_model import CostModel, GpuSpec, Workload
+from plora_hpo.planner.plan import plan_packs
+from plora_hpo.shapes import TARGET_MODULES, shape_by_name
+from tests.planner._configs import config
+
+SHAPE = shape_by_name("qwen2.5-1.5b")
+GPU = GpuSpec("H200", 1.0)
+TRUTH = Calibration(
+    launch=1.2, fixed=1.1, base=1.3, lora=0.7, memory_fixed=1.05, memory_activations=1.2, memory_adapters=0.9
+)
+
+
+def synthetic_observations(truth: Calibration) -> list[Observation]:
+    """Packs from launch-bound to compute-bound, measured by the prior scaled with ``truth``."""
+    model = CostModel(Workload(SHAPE, 512), GPU, truth)
+    observations = []
+    for rank, batch, k in itertools.product((8, 64, 256), (1, 4, 16), (1, 3)):
+        configs = [config(rank, batch)] * k
+        observations.append(
+            Observation(
+                ranks=(rank,) * k,
+                batch_sizes=(batch,) * k,
+                seq_len=512,
+                targets=TARGET_MODULES,
+                step_seconds=model.step_seconds(configs),
+                peak_bytes=model.peak_memory(configs),
+            )
+        )
+    return observations
+
+
+def test_fit_recovers_known_factors():
+    fitted = fit_calibration(synthetic_observations(TRUTH), SHAPE, GPU)
+    for name, value in TRUTH.factors().items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=0.02), name
+    assert fitted.observations == 18
+
+
+def test_fit_of_the_prior_is_the_identity():
+    fitted = fit_calibration(synthetic_observations(Calibration()), SHAPE, GPU)
+    for name, value in fitted.factors().items():
+        assert value == pytest.approx(1.0, abs=1e-3), name
+
+
+def test_record_persists_and_is_found_under_either_gpu_name(calibration_cache):
+    assert load_calibration("qwen2.5-1.5b", "H200") == Calibration()
+    for obs in synthetic_observations(TRUTH):
+        result = record_observation(
+            "Qwen/Qwen2.5-1.5B-Instruct",
+            "NVIDIA H200",
+            obs.configs(),
+            512,
+            TARGET_MODULES,
+            obs.step_seconds,
+            obs.peak_bytes,
+        )
+    path = calibration_path("qwen2.5-1.5b", "H200")
+    assert path.parent == calibration_cache and path.is_file()
+    stored = json.loads(path.read_text())
+    assert stored["model"] == "qwen2.5-1.5b" and len(stored["observations"]) == 18
+    loaded = load_calibration("qwen2.5-1.5b", "h200")
+    assert loaded == result
+    assert loaded.base == pytest.approx(1.3, rel=0.02)
+
+
+def test_one_observation_moves_the_prediction_towards_it():
+    configs = [config(16, 8)] * 2
+    prior = CostModel(Workload(SHAPE, 512), GPU).step_seconds(configs)
+    fitted = record_observation("qwen2.5-1.5b", "H200", configs, 512, TARGET_MODULES, 1.5 * prior, None)
+    after = CostModel(Workload(SHAPE, 512), GPU, fitted).step_seconds(configs)
+    assert after == pytest.approx(1.5 * prior, rel=0.05)
+    assert fitted.memory_activations == 1.0  # no memory measured: memory stays at the prior
+
+
+def test_planner_loads_the_stored_calibration():
+    configs = [config(16, 4)] * 4
+    before = plan_packs(configs, shape="qwen2.5-1.5b", seq_len=512, gpu=GpuSpec("H200", 80), num_gpus=1, steps=50)
+    record_observation("qwen2.5-1.5b", "H200", configs, 512, TARGET_MODULES, 5.0, None)
+    after = plan_packs(configs, shape="qwen2.5-1.5b", seq_len=512, gpu=GpuSpec("H200", 80), num_gpus=1, steps=50)
+    assert before.calibrated_from == 0 and after.calibrated_from == 1
+    assert after.makespan > before.makespan
+
+
+def test_bad_inputs_and_files():
+    with pytest.raises(PloraError, match="step_seconds must be positive"):
+        record_observation("qwen2.5-1.5b", "H200", [config()], 512, TARGET_MODULES, 0.0, None)
+    path = calibration_path("qwen2.5-1.5b", "H200")
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    with pytest.raises(PloraError, match="delete it"):
+        load_calibration("qwen2.5-1.5b", "H200")

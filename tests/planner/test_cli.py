@@ -1,0 +1,96 @@
+"""``plora-hpo plan`` through its argparse arguments: JSON, table, Gantt chart and bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from plora_hpo.errors import ConfigError, PloraError
+from plora_hpo.planner.cli import add_plan_arguments, run_plan
+
+SPACES = Path(__file__).resolve().parents[2] / "search_spaces"
+
+
+def plan(*argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(list(argv)))
+
+
+def test_paper120_json_on_8_gpus(capsys, tmp_path):
+    gantt = tmp_path / "g.png"
+    args = ["--model", "qwen2.5-7b", "--gpus", "8", "--gpu-memory-gib", "80", "--json", "--gantt", str(gantt)]
+    assert plan(str(SPACES / "paper120.yaml"), *args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) >= {"packs", "makespan", "baselines", "solver", "planning_seconds"}
+    assert set(out["baselines"]) == {"min_gpu", "max_gpu", "greedy", "lower_bound"}
+    assert sorted(c for p in out["packs"] for c in p["configs"]) == list(range(120))
+    for p in out["packs"]:
+        assert {"configs", "degree", "gpus", "start", "end"} <= set(p)
+        assert len(p["gpus"]) == p["degree"]
+    assert out["makespan"] < out["baselines"]["min_gpu"], "packing must beat one-config-per-GPU"
+    assert out["makespan"] >= out["baselines"]["lower_bound"]
+    assert out["solver"] in {"gurobi", "highs", "gurobi+highs"}
+    assert gantt.stat().st_size > 10_000 and out["gantt"] == str(gantt)
+
+
+def test_table_and_hub_id_mapping(capsys, tmp_path):
+    # adaptive.yaml names Qwen/Qwen2.5-1.5B-Instruct: the shape follows from the hub id.
+    args = ["--gpus", "2", "--gpu-memory-gib", "80", "--samples", "12", "--steps", "100", "--no-gantt"]
+    assert plan(str(SPACES / "adaptive.yaml"), *args) == 0
+    out = capsys.readouterr().out
+    assert "model qwen2.5-1.5b" in out and "predicted makespan" in out and "speedup over min gpu" in out
+    assert "gantt chart" not in out
+
+
+def test_bare_space_file(tmp_path, capsys):
+    space = tmp_path / "space.yaml"
+    space.write_text(
+        "rank: {choices: [8, 64]}\nalpha_multiplier: {choices: [1]}\n"
+        "learning_rate: {choices: [1.0e-4]}\nbatch_size: {choices: [1, 4]}\n"
+    )
+    base = [str(space), "--gpus", "1", "--gpu-memory-gib", "24", "--no-gantt", "--json"]
+    with pytest.raises(ConfigError, match="names no model"):
+        plan(*base)
+    with pytest.raises(ConfigError, match="pass --steps"):
+        plan(*base, "--model", "qwen2.5-0.5b")
+    assert plan(*base, "--model", "qwen2.5-0.5b", "--steps", "10") == 0
+    assert len(json.loads(capsys.readouterr().out)["config_labels"]) == 4
+
+
+@pytest.mark.parametrize(
+    ("argv", "error", "words"),
+    [
+        (["--gpus", "0", "--gpu-memory-gib", "80"], PloraError, "at least one GPU"),
+        (["--gpus", "8", "--gpu-memory-gib", "-5"], PloraError, "GPU memory must be a positive"),
+        (["--gpus", "8", "--gpu-memory-gib", "80", "--model", "gpt-9"], ConfigError, "unknown model shape 'gpt-9'"),
+        (["--gpus", "8", "--gpu-memory-gib", "80", "--samples", "0"], ConfigError, "--samples must be at least 1"),
+        (["--gpus", "8", "--gpu-memory-gib", "80", "--max-degree", "3"], PloraError, "power of two"),
+        (["--gpus", "1", "--gpu-memory-gib", "16"], PloraError, "cannot fit even alone on 1 GPU"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv, error, words):
+    with pytest.raises(error, match=words) as err:
+        plan(str(SPACES / "paper120.yaml"), "--no-gantt", "--json", *argv)
+    assert "\n" not in str(err.value)
+
+
+def test_ranged_space_needs_samples_and_missing_file(tmp_path):
+    sweep = tmp_path / "s.yaml"
+    text = (SPACES / "adaptive.yaml").read_text().replace("n_trials: 64\n", "")
+    sweep.write_text(text)
+    with pytest.raises(ConfigError, match="--samples N"):
+        plan(str(sweep), "--gpus", "1", "--gpu-memory-gib", "80", "--no-gantt")
+    with pytest.raises(ConfigError, match="no such file"):
+        plan(str(tmp_path / "missing.yaml"), "--gpus", "1", "--gpu-memory-gib", "80")
+
+
+def test_allow_unschedulable_plans_the_rest(capsys):
+    argv = ["--gpus", "1", "--gpu-memory-gib", "24", "--model", "qwen2.5-1.5b", "--no-gantt", "--json"]
+    assert plan(str(SPACES / "paper120.yaml"), *argv, "--allow-unschedulable") == 0
+    out = json.loads(capsys.readouterr().out)
+    left_out = set(out["unschedulable"])
+    assert left_out and sorted(left_out | {c for p in out["packs"] for c in p["configs"]}) == list(range(120))

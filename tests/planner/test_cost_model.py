@@ -1,0 +1,104 @@
+"""Cost model: memory and step time move the right way, and the prior matches DESIGN.md §6."""
+
+from __future__ import annotations
+
+import pytest
+
+from plora_hpo.errors import ConfigError, PloraError
+from plora_hpo.planner.cost_model import GIB, CostModel, GpuSpec, Workload
+from plora_hpo.shapes import shape_by_name
+from tests.planner._configs import config
+
+H200 = GpuSpec("H200", 139.8)
+
+
+def model(name: str = "qwen2.5-1.5b", **workload) -> CostModel:
+    return CostModel(Workload(shape_by_name(name), 512, **workload), H200)
+
+
+def test_memory_grows_with_rank_batch_and_pack_size():
+    cm = model()
+    assert cm.peak_memory([config(rank=64)]) > cm.peak_memory([config(rank=8)])
+    assert cm.peak_memory([config(batch=8)]) > cm.peak_memory([config(batch=2)])
+    assert cm.peak_memory([config(), config()]) > cm.peak_memory([config()])
+
+
+def test_memory_parts():
+    cm = model("qwen2.5-7b")
+    alone = cm.memory_terms([config()])
+    assert alone.fixed > shape_by_name("qwen2.5-7b").total_params() * 2  # weights + logits chunk
+    assert cm.peak_memory([config()], degree=4) < cm.peak_memory([config()], degree=1)
+    assert model(checkpointing=True).peak_memory([config(batch=8)]) < model().peak_memory([config(batch=8)])
+    # Full-vocabulary logits (PEFT) cost far more than one chunk at large batch.
+    assert model(logits_chunk_tokens=None).peak_memory([config(batch=16)]) > model().peak_memory([config(batch=16)])
+
+
+def test_step_time_grows_with_rank_and_batch_and_packs_amortise_overhead():
+    cm = model("qwen2.5-7b")
+    assert cm.step_seconds([config(rank=128, batch=8)]) > cm.step_seconds([config(rank=8, batch=8)])
+    assert cm.step_seconds([config(batch=16)]) > cm.step_seconds([config(batch=8)])
+    one, four = cm.step_seconds([config()]), cm.step_seconds([config()] * 4)
+    assert one < four < 4 * one
+
+
+def test_pack_seconds_counts_phases_as_adapters_leave():
+    cm = model()
+    short, long = config(batch=8), config(batch=2)
+    together = cm.pack_seconds([short, long], [100, 400])
+    expected = 100 * cm.step_seconds([short, long]) + 300 * cm.step_seconds([long])
+    assert together == pytest.approx(expected)
+
+
+def test_multi_gpu_adds_communication():
+    cm = model("qwen2.5-7b")
+    assert cm.step_terms([config()], degree=1).comm == 0
+    assert cm.step_terms([config()], degree=2).comm > 0
+
+
+# (model, batch, measured tokens/s, measured peak GiB): DESIGN.md §6, eager PEFT, full logits.
+REFERENCE = [
+    ("qwen2.5-0.5b", 4, 15.6e3, 8.9),
+    ("qwen2.5-0.5b", 32, 53.2e3, 63.5),
+    ("qwen2.5-1.5b", 1, 3.2e3, 6.2),
+    ("qwen2.5-1.5b", 4, 11.7e3, 15.1),
+    ("qwen2.5-1.5b", 16, 25.5e3, 50.7),
+    ("qwen2.5-7b", 4, 9.1e3, 36.0),
+    ("qwen2.5-7b", 8, 9.6e3, 57.2),
+]
+
+
+@pytest.mark.parametrize(("name", "batch", "tokens_per_s", "peak_gib"), REFERENCE)
+def test_prior_matches_h200_reference(name, batch, tokens_per_s, peak_gib):
+    cm = model(name, logits_chunk_tokens=None)
+    configs = [config(rank=16, batch=batch)]
+    assert cm.peak_memory(configs) / GIB == pytest.approx(peak_gib, rel=0.02)
+    assert cm.step_seconds(configs) == pytest.approx(batch * 512 / tokens_per_s, rel=0.15)
+
+
+def test_cpu_host_runs_add_host_and_device_time():
+    cm = CostModel(Workload(shape_by_name("smollm2-135m"), 128, dtype_bytes=4), GpuSpec.host(8))
+    terms = cm.step_terms([config()])
+    assert cm.step_seconds([config()]) == pytest.approx(cm.launch_seconds(terms) + cm.device_seconds(terms))
+    assert cm.peak_memory([config()]) < 8 * GIB
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"name": "H200", "memory_gib": -1}, "positive"),
+        ({"name": "H200", "memory_gib": 0}, "--gpu-memory-gib"),
+        ({"name": " ", "memory_gib": 80}, "GPU name"),
+        ({"name": "H200", "memory_gib": 80, "matmul_tflops": 0}, "matmul_tflops"),
+    ],
+)
+def test_gpu_spec_rejects_bad_values(kwargs, words):
+    with pytest.raises(PloraError, match=words):
+        GpuSpec(**kwargs)
+
+
+def test_workload_rejects_unknown_target_and_bad_lengths():
+    shape = shape_by_name("qwen2.5-0.5b")
+    with pytest.raises(ConfigError, match="unknown target module 'qkv'"):
+        Workload(shape, 512, targets=("qkv",))
+    with pytest.raises(ConfigError, match="seq_len"):
+        Workload(shape, 0)

@@ -1,0 +1,150 @@
+"""Whole plans and the online job planner: the schedule invariants, checked on random sweeps."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from plora_hpo.errors import PloraError
+from plora_hpo.planner.cost_model import CostModel, GpuSpec, Workload
+from plora_hpo.planner.plan import plan_packs
+from plora_hpo.planner.simulate import JobPlanner, UnschedulableError, list_schedule, run_to_completion
+from plora_hpo.shapes import shape_by_name
+from tests.planner._configs import config
+
+SETTINGS = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def sweeps(draw):
+    n = draw(st.integers(3, 24))
+    configs = [
+        config(draw(st.sampled_from([4, 16, 64])), draw(st.sampled_from([1, 2, 4, 8])), seed=i) for i in range(n)
+    ]
+    steps = draw(st.lists(st.sampled_from([20, 50, 200]), min_size=n, max_size=n))
+    return {
+        "configs": configs,
+        "steps": steps,
+        "shape": draw(st.sampled_from(["smollm2-135m", "qwen2.5-0.5b"])),
+        "seq_len": draw(st.sampled_from([256, 1024])),
+        "gpu": GpuSpec("H200", draw(st.sampled_from([4.0, 8.0, 16.0]))),
+        "num_gpus": draw(st.integers(1, 6)),
+        "max_degree": draw(st.sampled_from([None, 1, 2])),
+        "max_pack_size": draw(st.sampled_from([None, 3])),
+        "allow_unschedulable": True,
+    }
+
+
+def check_invariants(schedule, n_configs: int, memory_limit: float) -> None:
+    planned = sorted(c for p in schedule.packs for c in p.configs)
+    assert sorted(planned + schedule.unschedulable) == list(range(n_configs)), "each config exactly once"
+    for p in schedule.packs:
+        assert p.degree & (p.degree - 1) == 0 and p.degree == len(p.gpus) == len(set(p.gpus))
+        assert all(0 <= g < schedule.num_gpus for g in p.gpus)
+        assert p.memory_bytes <= memory_limit
+        assert p.end > p.start >= 0
+    # No GPU runs two packs at once: packs sharing a GPU do not overlap in time.
+    for a in schedule.packs:
+        for b in schedule.packs:
+            if a.pack_id < b.pack_id and set(a.gpus) & set(b.gpus):
+                assert a.end <= b.start + 1e-9 or b.end <= a.start + 1e-9
+    assert schedule.makespan == pytest.approx(max(p.end for p in schedule.packs))
+    assert schedule.makespan >= schedule.baselines.lower_bound * (1 - 1e-6)
+    for baseline in (schedule.baselines.min_gpu, schedule.baselines.max_gpu, schedule.baselines.greedy):
+        assert baseline >= schedule.baselines.lower_bound * (1 - 1e-6)
+
+
+@SETTINGS
+@given(sweeps())
+def test_every_plan_keeps_the_invariants(sweep):
+    try:
+        schedule = plan_packs(**sweep)
+    except PloraError as err:  # nothing fits at all on these GPUs: the error says so
+        assert "none of the" in str(err)
+        return
+    check_invariants(schedule, len(sweep["configs"]), 0.9 * sweep["gpu"].memory_bytes)
+    event(f"planned {len(schedule.packs)} packs, {len(schedule.unschedulable)} unschedulable")
+    assert schedule.max_degree <= (sweep["max_degree"] or sweep["num_gpus"])
+
+
+def planner(num_gpus: int = 2, **kwargs) -> JobPlanner:
+    cm = CostModel(Workload(shape_by_name("qwen2.5-0.5b"), 512), GpuSpec("H200", 40))
+    return JobPlanner(cm, num_gpus=num_gpus, **kwargs)
+
+
+def test_online_replanning_follows_the_real_clock():
+    jp = planner(num_gpus=2, max_degree=1)
+    jp.add_configs([config(16, b, seed=i) for i, b in enumerate([2, 2, 8, 8, 4, 4, 1, 1])], steps=100)
+    first = jp.next_packs()
+    assert {g for p in first for g in p.gpus} == {0, 1}
+    late = first[0]
+    predicted = late.end - late.start
+    jp.finished(late.pack_id, actual_seconds=3 * predicted)  # three times slower than predicted
+    assert jp.completed == [late] and late.end == pytest.approx(late.start + 3 * predicted)
+    assert jp.now == pytest.approx(late.start + 3 * predicted)
+    assert all(p.end >= jp.now for p in jp.running.values())  # still-running packs re-predicted
+    assert jp.drift == pytest.approx(3.0)
+    again = jp.next_packs(free_gpus=late.gpus)
+    assert again and all(p.start == jp.now for p in again)
+    assert again[0].end - again[0].start == pytest.approx(
+        3 * jp.cost_model.pack_seconds([jp.configs[c] for c in again[0].configs], [100] * len(again[0].configs), 1)
+    )
+    # New trials arrive mid-run and are planned with the rest.
+    new_ids = jp.add_configs([config(64, 2, seed=99)], steps=50)
+    rest = jp.forecast()
+    assert new_ids[0] in {c for p in rest for c in p.configs}
+    assert jp.pending, "forecast must not change the planner's own state"
+
+
+def test_next_packs_rejects_busy_gpus_and_unknown_packs():
+    jp = planner()
+    jp.add_configs([config()] * 4, steps=10)
+    packs = jp.next_packs()
+    with pytest.raises(PloraError, match="running packs"):
+        jp.next_packs(free_gpus=packs[0].gpus)
+    with pytest.raises(PloraError, match="not running"):
+        jp.finished(12345)
+
+
+def test_unschedulable_configs_are_named_or_skipped():
+    jp = planner(num_gpus=1)
+    huge = config(128, 512)
+    with pytest.raises(UnschedulableError, match=r"config #1 \(r128-a128-lr1e-04-b512\) cannot fit") as err:
+        jp.add_configs([config(), huge], steps=10)
+    assert err.value.config_ids == [1] and jp.configs == [] and jp.pending == []
+    jp = planner(num_gpus=1)
+    jp.add_configs([config(), huge], steps=10, skip_unschedulable=True)
+    assert jp.unschedulable == [1] and jp.pending == [0]
+    assert [p.configs for p in run_to_completion(jp)] == [[0]]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"num_gpus": 0}, "at least one GPU"),
+        ({"num_gpus": 4, "max_degree": 3}, "power of two"),
+        ({"num_gpus": 2, "load_factor": 1.5}, "load factor"),
+        ({"num_gpus": 2, "max_pack_size": 0}, "pack size"),
+    ],
+)
+def test_bad_planner_settings(kwargs, words):
+    cm = CostModel(Workload(shape_by_name("qwen2.5-0.5b"), 512), GpuSpec("H200", 40))
+    with pytest.raises(PloraError, match=words):
+        JobPlanner(cm, **kwargs)
+
+
+def test_bad_steps():
+    jp = planner()
+    with pytest.raises(PloraError, match="one per config"):
+        jp.add_configs([config()] * 2, steps=[10])
+    with pytest.raises(PloraError, match="positive whole numbers"):
+        jp.add_configs([config()], steps=0)
+
+
+def test_list_schedule():
+    assert list_schedule([(1, 10.0), (1, 10.0), (1, 10.0)], 2) == 20.0
+    assert list_schedule([(2, 5.0), (1, 1.0), (1, 1.0)], 2) == 6.0
+    assert list_schedule([(1, 4.0), (2, 1.0), (1, 1.0)], 2) == 5.0  # backfill: the third starts at 0
+    with pytest.raises(PloraError, match="needs 4 GPUs"):
+        list_schedule([(4, 1.0)], 2)
