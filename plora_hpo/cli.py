@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -62,7 +63,6 @@ def default_storage(run_dir: Path) -> str:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-
     from plora_hpo.config import load_sweep
     from plora_hpo.progress import RichPackProgress
     from plora_hpo.report import print_summary
@@ -84,9 +84,15 @@ def run_sweep(args: argparse.Namespace) -> int:
         sweep = PackedSweep(
             config, tracker=tracker, run_dir=run_dir, data_dir=args.data_dir, device=args.device, progress=progress
         )
-        run_dir.mkdir(parents=True, exist_ok=True)
-        tracker.check_reachable()
-        studies = {task: create_study(config, task, storage) for task in config.tasks}
+        run_dir_existed = run_dir.exists()
+        try:  # the first writes: the stores; undone if either cannot be opened
+            run_dir.mkdir(parents=True, exist_ok=True)
+            tracker.check_reachable()
+            studies = {task: create_study(config, task, storage) for task in config.tasks}
+        except BaseException:
+            if not run_dir_existed:
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
         tracker.start(
             config.name,
             {**config.model_dump(mode="json", exclude={"space"}), "space": config.space.model_dump()},

@@ -14,6 +14,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ import optuna
 
 from plora_hpo.config import SweepConfig
 from plora_hpo.engine import StepReport
+from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.space import SearchSpace
 from plora_hpo.sweep import PackedSweep, TrialOutcome, TrialRequest
 
@@ -47,14 +49,22 @@ def study_name(config: SweepConfig, task: str) -> str:
 def create_study(config: SweepConfig, task: str, storage: str) -> optuna.Study:
     """Create (or reopen, to resume) the task's study in ``storage``; enqueue the reference trial."""
     space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
-    study = optuna.create_study(
-        study_name=study_name(config, task),
-        storage=storage,
-        sampler=make_sampler(config, space),
-        direction="maximize",
-        load_if_exists=True,
-    )
-    study.set_metric_names([task_metric_name(task)])
+    try:
+        study = optuna.create_study(
+            study_name=study_name(config, task),
+            storage=storage,
+            sampler=make_sampler(config, space),
+            direction="maximize",
+            load_if_exists=True,
+        )
+    except Exception as err:  # SQLAlchemy/Optuna raise many kinds for a bad URL
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise PloraError(
+            f"cannot open the Optuna storage {storage!r} ({first}); pass --storage with a reachable database URL"
+        ) from None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        study.set_metric_names([task_metric_name(task)])
     if config.sampler != "grid" and space.contains(REFERENCE_PARAMS):
         study.enqueue_trial(REFERENCE_PARAMS, user_attrs={"reference": True}, skip_if_exists=True)
     return study
@@ -72,7 +82,7 @@ def default_n_trials(config: SweepConfig) -> int:
         return config.n_trials
     if space.is_grid:
         return space.grid_size()
-    raise ValueError("n_trials is required for a ranged search space")
+    raise ConfigError("n_trials is required for a ranged search space; add 'n_trials: N' or pass --n-trials")
 
 
 def record_outcome(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None:
@@ -126,16 +136,25 @@ class _PackGatherer:
 
     def _serve(self) -> None:
         while True:
-            batch = self._gather()
+            gathered = self._gather()
+            by_request = {id(t.request): t for t in gathered}
             try:
-                outcomes = self.sweep.run_pack([t.request for t in batch])
-                for ticket, outcome in zip(batch, outcomes):
-                    ticket.outcome = outcome
-            except BaseException as err:  # delivered to every waiting trial
-                for ticket in batch:
-                    ticket.error = err
-            for ticket in batch:
-                ticket.reports.put(_DONE)
+                packs = self.sweep.split_into_packs([t.request for t in gathered])
+            except BaseException as err:
+                packs, failed = [], err
+                for ticket in gathered:
+                    ticket.error = failed
+                    ticket.reports.put(_DONE)
+            for pack in packs:
+                tickets = [by_request[id(r)] for r in pack]
+                try:
+                    for ticket, outcome in zip(tickets, self.sweep.run_pack(pack)):
+                        ticket.outcome = outcome
+                except BaseException as err:  # delivered to every waiting trial of the pack
+                    for ticket in tickets:
+                        ticket.error = err
+                for ticket in tickets:
+                    ticket.reports.put(_DONE)
 
 
 class PackedObjective:

@@ -155,6 +155,61 @@ class PackedSweep:
             "lr_schedule": cfg.train.lr_schedule,
         }
 
+    # --- planning -------------------------------------------------------------------------
+    def device_spec(self) -> Any:
+        """The device as the planner's cost model sees it (the CPU host counts as one "GPU")."""
+        from plora_hpo.planner import GpuSpec
+
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            return GpuSpec(props.name, props.total_memory / 2**30)
+        return GpuSpec.host()
+
+    def _dtype_bytes(self) -> int:
+        return next(self.base.model.parameters()).element_size()
+
+    def split_into_packs(self, requests: Sequence[TrialRequest]) -> list[list[TrialRequest]]:
+        """Let the DTM planner group concurrent trials into packs that fit this device's memory.
+
+        Execution runs packs of degree 1 on one device, one after another, in the planner's order.
+        """
+        from plora_hpo.planner import plan_packs
+
+        cfg = self.config
+        schedule = plan_packs(
+            [r.config for r in requests],
+            shape=self.base.shape,
+            seq_len=cfg.seq_len,
+            gpu=self.device_spec(),
+            num_gpus=1,
+            steps=[self.total_steps(r.task, r.config) for r in requests],
+            targets=tuple(cfg.target_modules),
+            max_degree=1,
+            max_pack_size=cfg.pack.size,
+            dtype_bytes=self._dtype_bytes(),
+        )
+        return [[requests[i] for i in pack.configs] for pack in sorted(schedule.packs, key=lambda p: p.start)]
+
+    def _calibrate(self, requests: Sequence[TrialRequest], stats: Any) -> None:
+        """Feed the measured step time and peak memory back into the planner's cost model."""
+        from plora_hpo.planner import record_observation
+        from plora_hpo.planner.model_names import shape_name_of
+
+        shape_name = shape_name_of(self.base.shape)
+        if shape_name is None:  # a model of unlisted shape: nothing to calibrate against
+            return
+        warm = stats.step_seconds[1 : 1 + 8] or stats.step_seconds
+        record_observation(
+            shape_name,
+            self.device_spec(),
+            [r.config for r in requests],
+            self.config.seq_len,
+            tuple(self.config.target_modules),
+            step_seconds=sum(warm) / len(warm),
+            peak_bytes=stats.peak_memory_bytes if self.device.type == "cuda" else None,
+            dtype_bytes=self._dtype_bytes(),
+        )
+
     # --- one pack -----------------------------------------------------------------------
     def run_pack(self, requests: Sequence[TrialRequest]) -> list[TrialOutcome]:
         """Train ``requests`` together, evaluate them together, log and export each one."""
@@ -212,6 +267,7 @@ class PackedSweep:
             return on_step(report)
 
         stats = trainer.run(on_step_with_progress)
+        self._calibrate(requests, stats)
         self.progress.evaluating(pack_id)
         metrics: dict[str, dict[str, float]] = {}
         for task in {r.task for r in requests}:

@@ -6,6 +6,7 @@ logged from several threads and the fluent API's "active run" is thread-global.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 import urllib.request
@@ -35,9 +36,13 @@ class SweepTracker:
         self.tracking_uri = tracking_uri
         self.experiment = experiment
         self.artifact_root = artifact_root
-        self.client = MlflowClient(tracking_uri=tracking_uri)
         self.parent_run_id: str | None = None
         self.experiment_id: str | None = None
+
+    @functools.cached_property
+    def client(self) -> MlflowClient:
+        """Created on first use: a sqlite store is only written once the sweep is known to be valid."""
+        return MlflowClient(tracking_uri=self.tracking_uri)
 
     def check_reachable(self) -> None:
         """Fail early (before any study or run exists) if the tracking store cannot be used.
