@@ -1,0 +1,169 @@
+"""Log-likelihood of continuations under K adapters at once (multiple-choice scoring).
+
+Requests do not depend on the adapter, so every distinct model input is built once and run
+for every adapter: rows of all adapters share one forward, grouped by adapter for the packed
+LoRA route. Inputs and read-out follow lm-eval's HF model exactly — the scored input is
+``(context + continuation)[-(max_length + 1):][:-1]``, right-padded, no attention mask, and a
+continuation's score is the sum of its tokens' log-softmax values at the last positions —
+so the numbers equal ``HFLM`` + PEFT run per adapter. Requests whose inputs coincide (the
+answer choices ``" no"``/``" yes"`` of one prompt) share a row, like HFLM's one-token cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from plora_hpo.engine.packed_lora import PackedLoraModel
+from plora_hpo.evaluation._model import decoder_of, hidden_states, model_device
+from plora_hpo.evaluation.residency import AdapterResidency, adapter_chunks
+
+_HEAD_CHUNK = 2048  # positions per LM-head call: bounds the (positions × vocab) fp32 block
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """Score ``continuation`` after ``context`` (token ids; ``context`` is non-empty)."""
+
+    context: Sequence[int]
+    continuation: Sequence[int]
+
+
+@dataclass
+class ScoringStats:
+    forwards: int = 0
+    rows: int = 0
+    tokens: int = 0
+    padded_tokens: int = 0
+    seconds: float = 0.0
+    unique_inputs: int = 0
+    requests: int = 0
+
+
+@dataclass
+class _Input:
+    tokens: tuple[int, ...]
+    positions: int  # how many trailing positions any request reads
+    readers: list[tuple[int, tuple[int, ...]]] = field(default_factory=list)  # (request, continuation)
+
+
+def _inputs(requests: Sequence[ScoreRequest], max_length: int) -> list[_Input]:
+    by_tokens: dict[tuple[int, ...], _Input] = {}
+    for index, request in enumerate(requests):
+        if not request.context or not request.continuation:
+            raise ValueError(f"request {index} needs a non-empty context and continuation")
+        whole = (tuple(request.context) + tuple(request.continuation))[-(max_length + 1) :]
+        tokens = whole[:-1]
+        continuation = tuple(request.continuation)[-len(tokens) :]
+        item = by_tokens.setdefault(tokens, _Input(tokens, 0))
+        item.positions = max(item.positions, len(continuation))
+        item.readers.append((index, continuation))
+    return list(by_tokens.values())
+
+
+def score_continuations(
+    packed: PackedLoraModel,
+    adapter_ids: Sequence[str],
+    requests: Sequence[ScoreRequest],
+    *,
+    batch_size: int,
+    max_length: int,
+    residency: AdapterResidency | None = None,
+    pad_id: int = 0,
+    stats: ScoringStats | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, list[tuple[float, bool]]]:
+    """``{adapter: [(logprob, is_greedy) per request]}`` for every adapter and request.
+
+    ``batch_size`` caps rows per forward across adapters. With a paging ``residency``, adapters
+    are processed in groups that fit the device budget, each group resident for its batches.
+    """
+    stats = stats if stats is not None else ScoringStats()
+    started = time.perf_counter()
+    model = packed.model
+    decoder, head = decoder_of(model), model.get_output_embeddings()
+    device = model_device(model)
+    items = sorted(_inputs(requests, max_length), key=lambda i: (-len(i.tokens), i.tokens))
+    stats.unique_inputs += len(items)
+    stats.requests += len(requests)
+    results: dict[str, list[tuple[float, bool] | None]] = {a: [None] * len(requests) for a in adapter_ids}
+
+    chunks = adapter_chunks(residency, adapter_ids) if residency is not None else [list(adapter_ids)]
+    for group in chunks:
+        if residency is not None:
+            residency.ensure(group)
+        for sub in _split(group, batch_size):
+            per_adapter = max(1, batch_size // len(sub))
+            for start in range(0, len(items), per_adapter):
+                batch = items[start : start + per_adapter]
+                _score_batch(decoder, head, packed, sub, batch, results, device, pad_id, stats)
+                if progress is not None:
+                    progress(len(batch) * len(sub))
+    stats.seconds += time.perf_counter() - started
+    return {a: [r for r in rows if r is not None] for a, rows in results.items()}
+
+
+def _split(adapters: list[str], most: int) -> list[list[str]]:
+    """More adapters than rows per forward: score them in turns."""
+    return [adapters[i : i + most] for i in range(0, len(adapters), most)]
+
+
+@torch.no_grad()
+def _score_batch(
+    decoder: torch.nn.Module,
+    head: torch.nn.Module,
+    packed: PackedLoraModel,
+    adapters: list[str],
+    batch: list[_Input],
+    results: dict[str, list[tuple[float, bool] | None]],
+    device: torch.device,
+    pad_id: int,
+    stats: ScoringStats,
+) -> None:
+    width = max(len(item.tokens) for item in batch)
+    ids = torch.full((len(adapters) * len(batch), width), pad_id, dtype=torch.long)
+    rows, positions = [], []  # flat (row, position) pairs whose next-token scores are read
+    for a_index in range(len(adapters)):
+        for i_index, item in enumerate(batch):
+            row = a_index * len(batch) + i_index
+            ids[row, : len(item.tokens)] = torch.tensor(item.tokens)
+            first = len(item.tokens) - item.positions
+            rows += [row] * item.positions
+            positions += range(first, len(item.tokens))
+    stats.forwards += 1
+    stats.rows += ids.shape[0]
+    stats.tokens += len(adapters) * sum(len(item.tokens) for item in batch)
+    stats.padded_tokens += ids.numel()
+
+    with packed.route([(a, len(batch)) for a in adapters]):
+        hidden = hidden_states(decoder, ids.to(device))
+    picked = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
+    logprob = torch.empty(picked.shape[0], head.out_features, dtype=torch.float32, device=device)
+    for start in range(0, picked.shape[0], _HEAD_CHUNK):
+        logits = head(picked[start : start + _HEAD_CHUNK])
+        logprob[start : start + _HEAD_CHUNK] = F.log_softmax(logits.float(), dim=-1)
+    argmax = logprob.argmax(dim=-1)
+
+    # Every (adapter, request) read: its continuation's positions in the flat list, gathered at once.
+    read_pos, read_tok, read_id, owners = [], [], [], []
+    cursor = 0
+    for adapter_id in adapters:
+        for item in batch:
+            end = cursor + item.positions
+            for request, continuation in item.readers:
+                read_pos += range(end - len(continuation), end)
+                read_tok += continuation
+                read_id += [len(owners)] * len(continuation)
+                owners.append((adapter_id, request))
+            cursor = end
+    pos = torch.tensor(read_pos, device=device)
+    tok = torch.tensor(read_tok, device=device)
+    idx = torch.tensor(read_id, device=device)
+    scores = torch.zeros(len(owners), dtype=torch.float32, device=device).index_add_(0, idx, logprob[pos, tok])
+    misses = torch.zeros(len(owners), dtype=torch.long, device=device).index_add_(0, idx, (argmax[pos] != tok).long())
+    for (adapter_id, request), score, miss in zip(owners, scores.tolist(), misses.tolist()):
+        results[adapter_id][request] = (score, miss == 0)
