@@ -25,6 +25,7 @@ from plora_hpo.errors import ConfigError
 from plora_hpo.tracking import SweepTracker
 
 ReportCallback = Callable[[StepReport], None]
+_LOAD_FACTOR = 0.9  # the planner's default C: plan packs to use at most 90% of device memory
 
 
 class PackProgress:
@@ -169,26 +170,46 @@ class PackedSweep:
         return next(self.base.model.parameters()).element_size()
 
     def split_into_packs(self, requests: Sequence[TrialRequest]) -> list[list[TrialRequest]]:
-        """Let the DTM planner group concurrent trials into packs that fit this device's memory.
+        """Group concurrent trials into packs that fit this device, as few packs as possible.
 
-        Execution runs packs of degree 1 on one device, one after another, in the planner's order.
+        On one device the restricted problem F(1, K) keeps every adapter that fits: they share
+        one pass of the base model. Adapters are placed largest-memory first into the first pack
+        with room (pack.size and the cost model's calibrated memory, at the planner's load
+        factor). Multi-GPU schedules (degree > 1, DTM) are planned by ``plora-hpo plan`` but not
+        executed yet.
         """
-        from plora_hpo.planner import plan_packs
+        from plora_hpo.planner import CostModel, UnschedulableError, Workload, load_calibration
+        from plora_hpo.planner.model_names import shape_name_of
 
-        cfg = self.config
-        schedule = plan_packs(
-            [r.config for r in requests],
-            shape=self.base.shape,
-            seq_len=cfg.seq_len,
-            gpu=self.device_spec(),
-            num_gpus=1,
-            steps=[self.total_steps(r.task, r.config) for r in requests],
-            targets=tuple(cfg.target_modules),
-            max_degree=1,
-            max_pack_size=cfg.pack.size,
-            dtype_bytes=self._dtype_bytes(),
+        cfg, gpu = self.config, self.device_spec()
+        shape_name = shape_name_of(self.base.shape)
+        cost = CostModel(
+            Workload(self.base.shape, cfg.seq_len, tuple(cfg.target_modules), self._dtype_bytes()),
+            gpu,
+            load_calibration(shape_name, gpu.name) if shape_name else None,
         )
-        return [[requests[i] for i in pack.configs] for pack in sorted(schedule.packs, key=lambda p: p.start)]
+        limit = _LOAD_FACTOR * gpu.memory_bytes
+        packs: list[list[TrialRequest]] = []
+        for r in sorted(requests, key=lambda r: -cost.peak_memory([r.config])):
+            if cost.peak_memory([r.config]) > limit:
+                raise UnschedulableError(
+                    f"trial {r.number} ({r.config.label()}) needs {cost.peak_memory([r.config]) / 2**30:.1f} GiB, "
+                    f"more than {limit / 2**30:.1f} GiB of {gpu.name}; lower its batch size or rank",
+                    [r.number],
+                )
+            home = next(
+                (
+                    p
+                    for p in packs
+                    if len(p) < cfg.pack.size and cost.peak_memory([*(q.config for q in p), r.config]) <= limit
+                ),
+                None,
+            )
+            if home is None:
+                packs.append([r])
+            else:
+                home.append(r)
+        return packs
 
     def _calibrate(self, requests: Sequence[TrialRequest], stats: Any) -> None:
         """Feed the measured step time and peak memory back into the planner's cost model."""
@@ -261,8 +282,12 @@ class PackedSweep:
 
         self.progress.pack_started(pack_id, len(requests), max(j.total_steps for j in trainer.jobs.values()))
 
+        furthest = 0  # packed steps so far = the furthest step any adapter has reached
+
         def on_step_with_progress(report: StepReport) -> bool:
-            if report.adapter_id == trainer.active[0]:
+            nonlocal furthest
+            if report.step > furthest:
+                furthest = report.step
                 self.progress.step_done()
             return on_step(report)
 
