@@ -221,6 +221,20 @@ def optimize_in_packs(
             for step, loss in enumerate(outcome.losses, start=1):
                 trial.report(loss, step)
             record_outcome(trial, outcome)
-            study.tell(trial, outcome.value)
+            _tell(study, trial, outcome.value)
         outcomes += results
     return outcomes
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
+    """``study.tell`` that tolerates an exhausted grid.
+
+    GridSampler calls ``study.stop()`` after the last grid point, which Optuna only allows inside
+    ``optimize``; in ask-and-tell the trial is already stored when that raises, so it is safe
+    to ignore.
+    """
+    try:
+        study.tell(trial, value)
+    except RuntimeError as err:
+        if not (isinstance(study.sampler, optuna.samplers.GridSampler) and "Study.stop" in str(err)):
+            raise
