@@ -100,3 +100,171 @@ def collate(
         labels=labels.to(device),
         groups=[(a, len(exs)) for a, exs in groups],
     )
+
+
+PACKINGS = ("padded", "varlen")
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward of a packed step.
+
+    ``groups`` lists every adapter of the step in pack order with its rows in this micro-batch
+    (possibly zero), so the layers see one route shape whatever the split. Loss bookkeeping is
+    precomputed on the host, so a step needs no device→host synchronisation until its losses
+    are read: ``label_index`` are the flat positions (into ``input_ids.numel()``) whose hidden
+    state predicts a trained token, ``targets`` those tokens, ``label_counts`` how many belong
+    to each group and ``label_group`` the group of each.
+
+    Padded micro-batches are ``(rows, T)`` right-padded to their longest row. Padding-free
+    (``varlen``) micro-batches hold all their sequences back to back in one row;
+    ``position_ids`` restart at every sequence and ``cu_seqlens`` (int32, ``n_seqs + 1``) are the
+    sequence boundaries the attention kernel needs.
+    """
+
+    input_ids: torch.Tensor
+    groups: list[tuple[str, int]]
+    label_index: torch.Tensor
+    targets: torch.Tensor
+    label_group: torch.Tensor
+    label_counts: list[int]
+    real_tokens: int
+    tokens_per_group: list[int]
+    position_ids: torch.Tensor | None = None
+    token_counts: list[int] | None = None
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+
+    @property
+    def padded_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host tensor to ``device``; on CUDA through pinned memory without blocking the host."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _rows_by_group(rows: list[tuple[int, TokenizedExample]]) -> list[tuple[int, TokenizedExample]]:
+    return sorted(rows, key=lambda r: r[0])  # stable: keeps each adapter's own row order
+
+
+def _split_padded(rows: list[tuple[int, TokenizedExample]], max_tokens: int | None) -> list[list]:
+    """Cut rows into micro-batches of at most ``max_tokens`` padded tokens.
+
+    With a budget, rows are bucketed by length (longest first), so rows of similar length pad
+    together; a row longer than the budget gets a micro-batch of its own.
+    """
+    if max_tokens is None:
+        return [rows]
+    ordered = sorted(rows, key=lambda r: -len(r[1].input_ids))
+    chunks: list[list] = []
+    current: list = []
+    longest = 0
+    for row in ordered:
+        n = len(row[1].input_ids)
+        if current and (len(current) + 1) * max(longest, n) > max_tokens:
+            chunks.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, n)
+    if current:
+        chunks.append(current)
+    return [_rows_by_group(c) for c in chunks]
+
+
+def _split_varlen(rows: list[tuple[int, TokenizedExample]], max_tokens: int | None) -> list[list]:
+    """Cut rows (in group order) into micro-batches of at most ``max_tokens`` real tokens."""
+    if max_tokens is None:
+        return [rows]
+    chunks: list[list] = []
+    current: list = []
+    used = 0
+    for row in rows:
+        n = len(row[1].input_ids)
+        if current and used + n > max_tokens:
+            chunks.append(current)
+            current, used = [], 0
+        current.append(row)
+        used += n
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def plan_micro_batches(
+    groups: Sequence[tuple[str, Sequence[TokenizedExample]]],
+    pad_id: int,
+    device: torch.device | str,
+    *,
+    packing: str = "padded",
+    max_tokens: int | None = None,
+) -> list[MicroBatch]:
+    """Split one packed step's examples into micro-batches (all of them in one by default).
+
+    Args:
+        groups: ``(adapter_id, examples)`` per adapter, in pack order.
+        pad_id: token id written into padding positions (never trained, never attended).
+        device: where the tensors go (pinned, non-blocking copies on CUDA).
+        packing: ``"padded"`` (rows right-padded to the micro-batch's longest) or ``"varlen"``
+            (padding-free: sequences back to back, attention kept within each sequence).
+        max_tokens: tokens per micro-batch (padded tokens for ``padded``, real tokens for
+            ``varlen``); ``None`` puts the whole step in one micro-batch.
+    """
+    if packing not in PACKINGS:
+        raise ValueError(f"unknown packing {packing!r}; use one of {PACKINGS}")
+    if max_tokens is not None and max_tokens <= 0:
+        raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+    device = torch.device(device)
+    ids = [a for a, _ in groups]
+    rows = [(g, ex) for g, (_, exs) in enumerate(groups) for ex in exs]
+    if not rows:
+        raise ValueError("a packed step needs at least one example")
+    split = _split_varlen if packing == "varlen" else _split_padded
+    return [_build(chunk, ids, pad_id, device, packing) for chunk in split(rows, max_tokens)]
+
+
+def _build(
+    rows: list[tuple[int, TokenizedExample]], ids: list[str], pad_id: int, device: torch.device, packing: str
+) -> MicroBatch:
+    k = len(ids)
+    row_counts = [0] * k
+    tokens = [0] * k
+    lengths = [len(ex.input_ids) for _, ex in rows]
+    varlen = packing == "varlen"
+    width = sum(lengths) if varlen else max(lengths)
+    n_rows = 1 if varlen else len(rows)
+    input_ids = torch.full((n_rows * width,), pad_id, dtype=torch.long)
+    next_label = torch.full((n_rows * width,), IGNORE_INDEX, dtype=torch.long)  # label of token t+1
+    group_of = torch.zeros((n_rows * width,), dtype=torch.long)
+    offset = 0
+    for (g, ex), n in zip(rows, lengths):
+        row_counts[g] += 1
+        tokens[g] += n
+        input_ids[offset : offset + n] = torch.as_tensor(ex.input_ids, dtype=torch.long)
+        next_label[offset : offset + n - 1] = torch.as_tensor(ex.labels[1:n], dtype=torch.long)
+        group_of[offset : offset + n] = g
+        offset += n if varlen else width
+    index = (next_label != IGNORE_INDEX).nonzero().squeeze(1)
+    label_group = group_of[index]
+    label_counts = torch.bincount(label_group, minlength=k).tolist()
+    batch = MicroBatch(
+        input_ids=to_device(input_ids.view(n_rows, width), device),
+        groups=[(a, row_counts[g]) for g, a in enumerate(ids)],
+        label_index=to_device(index, device),
+        targets=to_device(next_label[index], device),
+        label_group=to_device(label_group, device),
+        label_counts=label_counts,
+        real_tokens=sum(lengths),
+        tokens_per_group=tokens,
+    )
+    if varlen:
+        positions = torch.cat([torch.arange(n, dtype=torch.long) for n in lengths]).unsqueeze(0)
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        batch.position_ids = to_device(positions, device)
+        batch.token_counts = tokens
+        batch.cu_seqlens = to_device(cu, device)
+        batch.max_seqlen = max(lengths)
+    return batch

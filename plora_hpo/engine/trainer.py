@@ -5,6 +5,11 @@ AdamW parameter group. The loss of adapter k is the mean token loss over its own
 sum over adapters is backpropagated, so every adapter receives exactly the gradient it would
 get if it trained alone. Adapters may join (:meth:`PackedTrainer.add_job`) and leave
 (finished, pruned or failed) between steps without disturbing the others.
+
+Speed knobs (all keep that contract; see the constructor): packed adapter storage with one
+bf16 cast per layer call, micro-batching with length bucketing, padding-free (varlen) packing,
+activation checkpointing, fused RMSNorm/SwiGLU, and a loss that keeps one chunk of logits alive.
+A step reads nothing back from the GPU until its losses, once, at the end.
 """
 
 from __future__ import annotations
@@ -16,13 +21,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.engine.batching import IGNORE_INDEX, DataStream, PackedBatch, TokenizedExample, collate
+from plora_hpo.engine.batching import (
+    PACKINGS,
+    DataStream,
+    MicroBatch,
+    TokenizedExample,
+    plan_micro_batches,
+    to_device,
+)
+from plora_hpo.engine.fused import (
+    CU_SEQLENS_KWARG,
+    MAX_SEQLEN_KWARG,
+    fuse_elementwise,
+    install_varlen_attention,
+    unfuse_elementwise,
+)
+from plora_hpo.engine.loss import grouped_label_loss
 from plora_hpo.engine.packed_lora import PackedLoraModel
 
-_LOSS_CHUNK_TOKENS = 4096
+LOSS_CHUNK_TOKENS = 4096
 
 
 @dataclass(frozen=True)
@@ -59,7 +78,9 @@ class StepReport:
 @dataclass
 class PackStats:
     steps: int = 0
-    tokens: int = 0
+    tokens: int = 0  # real (non-padding) tokens
+    padded_tokens: int = 0  # tokens the base model computed, padding included
+    micro_batches: int = 0
     seconds: float = 0.0
     peak_memory_bytes: int = 0
     step_seconds: list[float] = field(default_factory=list)
@@ -84,34 +105,28 @@ def lr_multiplier(schedule: str, step: int, total: int, warmup_ratio: float) -> 
     raise ValueError(f"unknown lr schedule {schedule!r}; use constant, linear or cosine")
 
 
-def adapter_losses(
-    hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor, rows: dict[str, slice]
-) -> dict[str, torch.Tensor]:
-    """Mean next-token loss per adapter, computing logits only where labels are trained.
-
-    Full-vocabulary logits of every position are never built: only label positions go through
-    the LM head, in chunks.
-    """
-    targets = labels[:, 1:]
-    keep = targets != IGNORE_INDEX
-    # rows are grouped by adapter, so the kept tokens are too: one gather, then split
-    selected = hidden[:, :-1][keep]
-    counts = [int(keep[sl].sum()) for sl in rows.values()]
-    losses: dict[str, torch.Tensor] = {}
-    for adapter_id, hs, ts in zip(rows, selected.split(counts), targets[keep].split(counts)):
-        if ts.numel() == 0:
-            losses[adapter_id] = hidden.sum() * 0.0
-            continue
-        total = hs.new_zeros((), dtype=torch.float32)
-        for start in range(0, ts.numel(), _LOSS_CHUNK_TOKENS):
-            logits = lm_head(hs[start : start + _LOSS_CHUNK_TOKENS]).float()
-            total = total + F.cross_entropy(logits, ts[start : start + _LOSS_CHUNK_TOKENS], reduction="sum")
-        losses[adapter_id] = total / ts.numel()
-    return losses
-
-
 class PackedTrainer:
-    """Runs packed optimizer steps over the active adapters of a :class:`PackedLoraModel`."""
+    """Runs packed optimizer steps over the active adapters of a :class:`PackedLoraModel`.
+
+    Args:
+        packed: the model with its adapter layers.
+        settings: what every adapter's AdamW group shares.
+        pad_id: token written into padding.
+        device: where the model lives.
+        micro_batch_tokens: split each step into forwards/backwards of at most this many tokens
+            (padded tokens for ``packing="padded"``, real tokens for ``"varlen"``) and accumulate
+            the gradients; the losses and gradients equal the unsplit step's. ``None``: one
+            forward per step. Padded micro-batches are bucketed by sequence length.
+        packing: ``"padded"`` (right-padded rows) or ``"varlen"`` (padding-free: each
+            micro-batch is one row of sequences back to back, attention kept within sequences).
+        activation_checkpointing: recompute each decoder layer in the backward (keeps only layer
+            inputs, at the cost of a second forward).
+        fused_elementwise: fused RMSNorm and SwiGLU (:mod:`plora_hpo.engine.fused`); ``None``
+            means on for CUDA, off elsewhere.
+        packed_storage: keep the trained adapters' factors in contiguous per-layer buffers (one
+            kernel input per layer instead of K; see :mod:`plora_hpo.engine.packed_lora`).
+        loss_chunk_tokens: rows per LM-head chunk of the loss.
+    """
 
     def __init__(
         self,
@@ -120,22 +135,55 @@ class PackedTrainer:
         settings: OptimizerSettings,
         pad_id: int,
         device: torch.device | str,
+        micro_batch_tokens: int | None = None,
+        packing: str = "padded",
+        activation_checkpointing: bool = False,
+        fused_elementwise: bool | None = None,
+        packed_storage: bool = True,
+        loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
     ) -> None:
+        if packing not in PACKINGS:
+            raise ValueError(f"unknown packing {packing!r}; use one of {PACKINGS}")
+        if micro_batch_tokens is not None and micro_batch_tokens <= 0:
+            raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
         self.packed = packed
         self.settings = settings
         self.pad_id = pad_id
         self.device = torch.device(device)
+        self.micro_batch_tokens = micro_batch_tokens
+        self.packing = packing
+        self.packed_storage = packed_storage
+        self.loss_chunk_tokens = loss_chunk_tokens
         self.jobs: dict[str, AdapterJob] = {}
         self.streams: dict[str, DataStream] = {}
         self.steps_done: dict[str, int] = {}
         self.optimizer: torch.optim.AdamW | None = None
         self.stats = PackStats()
+        packed.set_activation_checkpointing(activation_checkpointing)
+        if fused_elementwise is None:
+            fused_elementwise = self.device.type == "cuda"
+        if fused_elementwise:
+            fuse_elementwise(packed.model)
+        else:
+            unfuse_elementwise(packed.model)
+        self._varlen_mask: torch.Tensor | None = None
+        if packing == "varlen":
+            implementation = getattr(packed.model.config, "_attn_implementation", None)
+            if implementation != "sdpa":
+                raise ValueError(
+                    f"packing='varlen' needs the model loaded with attn_implementation='sdpa', not {implementation!r}"
+                )
+            install_varlen_attention()
+            # placeholder, never read: the varlen attention ignores masks
+            self._varlen_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
     # --- membership -------------------------------------------------------------------
     def add_job(self, job: AdapterJob) -> None:
         """Create the adapter and its AdamW group; it trains from the next step on."""
         if job.total_steps <= 0:
             raise ValueError(f"{job.adapter_id}: total_steps must be positive, got {job.total_steps}")
+        if job.adapter_id in self.jobs:
+            raise ValueError(f"{job.adapter_id} is already training in this pack")
         if job.adapter_id not in self.packed.configs:
             self.packed.add_adapter(job.adapter_id, job.config)
         group = {
@@ -165,6 +213,8 @@ class PackedTrainer:
     def remove_job(self, adapter_id: str) -> None:
         """Stop training an adapter (finished, pruned or failed); its weights stay in the model."""
         assert self.optimizer is not None
+        if adapter_id in self.packed.packed_ids:
+            self.packed.unpack()  # repacked without it at the next step
         groups = self.optimizer.param_groups
         for group in [g for g in groups if g["adapter_id"] == adapter_id]:
             for p in group["params"]:
@@ -183,24 +233,62 @@ class PackedTrainer:
         return self.steps_done[adapter_id] >= self.jobs[adapter_id].total_steps
 
     # --- one step ---------------------------------------------------------------------
-    def next_batch(self) -> PackedBatch:
+    def next_micro_batches(self) -> list[MicroBatch]:
+        """Take every active adapter's next batch and split the step into micro-batches."""
         groups = [(a, self.streams[a].take(self.jobs[a].config.batch_size)) for a in self.active]
-        return collate(groups, self.pad_id, self.device)
+        return plan_micro_batches(
+            groups, self.pad_id, self.device, packing=self.packing, max_tokens=self.micro_batch_tokens
+        )
+
+    def _ensure_packed(self) -> None:
+        if self.packed_storage and not self.packed.pack_intact(self.active):
+            self.packed.pack(self.active)
+
+    def _forward_backward(self, mb: MicroBatch, normalizers: torch.Tensor) -> torch.Tensor:
+        """One micro-batch: per-adapter loss contributions (detached), gradients accumulated."""
+        model = self.packed.model
+        # Padded rows are right-padded, so causal attention without a padding mask gives the real
+        # positions exactly what a masked one would (they never attend to later padding), and
+        # SDPA takes its fast is_causal path. Padding-free rows: the varlen kernel keeps attention
+        # within each sequence; a prepared 4-D mask makes Hugging Face skip building a T×T one.
+        kwargs = {}
+        if mb.cu_seqlens is not None:
+            kwargs = {
+                "attention_mask": self._varlen_mask,
+                "position_ids": mb.position_ids,
+                CU_SEQLENS_KWARG: mb.cu_seqlens,
+                MAX_SEQLEN_KWARG: mb.max_seqlen,
+            }
+        with self.packed.route(mb.groups, token_counts=mb.token_counts):
+            hidden = model.base_model(input_ids=mb.input_ids, use_cache=False, **kwargs).last_hidden_state
+            selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.label_index)
+            sums = grouped_label_loss(
+                selected,
+                model.get_output_embeddings(),
+                mb.targets,
+                mb.label_group,
+                len(mb.groups),
+                chunk_tokens=self.loss_chunk_tokens,
+            )
+        contributions = sums / normalizers
+        if mb.label_index.numel():
+            contributions.sum().backward()
+        return contributions.detach()
 
     def step(self) -> list[StepReport]:
         """One optimizer step for every active adapter; returns their losses."""
         assert self.optimizer is not None and self.jobs, "add a job before stepping"
         started = time.perf_counter()
-        batch = self.next_batch()
-        model = self.packed.model
-        with self.packed.route(batch.groups):
-            hidden = model.base_model(
-                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
-            ).last_hidden_state
-            losses = adapter_losses(hidden, model.get_output_embeddings(), batch.labels, batch.rows_of())
-        torch.stack(list(losses.values())).sum().backward()
+        self._ensure_packed()
+        micro_batches = self.next_micro_batches()
+        ids = self.active
+        label_totals = [sum(mb.label_counts[g] for mb in micro_batches) for g in range(len(ids))]
+        normalizers = to_device(torch.tensor([max(1, n) for n in label_totals], dtype=torch.float32), self.device)
+        losses = torch.zeros(len(ids), dtype=torch.float32, device=self.device)
+        for mb in micro_batches:
+            losses += self._forward_backward(mb, normalizers)
 
-        reports = []
+        lrs = {}
         for group in self.optimizer.param_groups:
             adapter_id = group["adapter_id"]
             job = self.jobs[adapter_id]
@@ -211,36 +299,42 @@ class PackedTrainer:
                 self.settings.warmup_ratio,
             )
             group["lr"] = job.config.learning_rate * factor
+            lrs[adapter_id] = group["lr"]
             if self.settings.max_grad_norm is not None:
                 torch.nn.utils.clip_grad_norm_(group["params"], self.settings.max_grad_norm, foreach=True)
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.packed.packed_ids:
+            self.packed.zero_packed_grads()  # in place: the parameters' grads are views of these
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
 
-        rows = batch.rows_of()
-        for adapter_id, loss in losses.items():
+        values = losses.tolist()  # the step's one device→host read
+        reports = []
+        for g, adapter_id in enumerate(ids):
             self.steps_done[adapter_id] += 1
-            group_lr = next(g["lr"] for g in self.optimizer.param_groups if g["adapter_id"] == adapter_id)
             reports.append(
                 StepReport(
                     adapter_id=adapter_id,
                     step=self.steps_done[adapter_id],
-                    loss=float(loss.detach()),
-                    lr=group_lr,
-                    tokens=int(batch.attention_mask[rows[adapter_id]].sum()),
+                    loss=values[g],
+                    lr=lrs[adapter_id],
+                    tokens=sum(mb.tokens_per_group[g] for mb in micro_batches),
                 )
             )
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self._account(batch, time.perf_counter() - started)
+        self._account(micro_batches, time.perf_counter() - started)
         return reports
 
-    def _account(self, batch: PackedBatch, seconds: float) -> None:
+    def _account(self, micro_batches: Sequence[MicroBatch], seconds: float) -> None:
         if self.device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(self.device)
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         self.stats.steps += 1
-        self.stats.tokens += batch.real_tokens
+        self.stats.tokens += sum(mb.real_tokens for mb in micro_batches)
+        self.stats.padded_tokens += sum(mb.padded_tokens for mb in micro_batches)
+        self.stats.micro_batches += len(micro_batches)
         self.stats.seconds += seconds
         self.stats.step_seconds.append(seconds)
         self.stats.peak_memory_bytes = max(self.stats.peak_memory_bytes, peak)

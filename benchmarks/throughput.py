@@ -1,0 +1,1170 @@
+"""Packed multi-LoRA training vs what users run today, side by side on one GPU (issue 5).
+
+Usage (GPU)::
+
+    python benchmarks/throughput.py --out $OUT/throughput-h200.json [--budget-s 280]
+
+CPU check of every code path (tiny shapes, fp32/bf16 on the CPU, two co-located workers)::
+
+    python benchmarks/throughput.py --smoke --out /tmp/throughput-smoke.json
+
+Rows, all on random-init models at real Qwen2.5 shapes, LoRA on all seven projections, AdamW,
+bf16 base, fixed-length random token sequences where every position is trained (same tokens for
+every contender):
+
+* ``peft``: transformers + PEFT, one adapter (r 16), batch 1 and 4 — the sequential baseline;
+* ``colocated``: 4 separate PEFT processes (batch 4 each) sharing the GPU — "Min GPU" on one card;
+* ``packed``: this engine, K ∈ {1, 8, 32} adapters of mixed ranks (8..128) and batch sizes, plus
+  one-knob-off variants of K = 32 (what each engine change buys), mixed-length data (padded vs
+  length-bucketed vs padding-free), activation checkpointing and micro-batching;
+* a quality check: N packed bf16 steps (Triton kernels, fused ops) against the fp32 reference
+  path (PyTorch reference kernels, fp32 base) on a small model that learns, per adapter.
+
+Every row prints tokens/s, MFU (4 × decoder linear params × tokens/s ÷ the bf16 matmul rate
+measured in this run), peak memory and the cost model's (uncalibrated prior) predicted peak
+memory and step time. Rows run in priority order under ``--budget-s``; what does not fit is
+listed under ``skipped``. The JSON is rewritten after every row, so a run cut short still
+leaves its rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import gc
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+
+def _bootstrap_imports() -> None:
+    """Run from a bare checkout too: the package's ``kernels/`` folder installs as ``plora_hpo.kernels``."""
+    root = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(root))
+    try:
+        import plora_hpo.kernels  # noqa: F401
+    except ImportError:
+        spec = importlib.util.spec_from_file_location(
+            "plora_hpo.kernels", root / "kernels" / "__init__.py", submodule_search_locations=[str(root / "kernels")]
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["plora_hpo.kernels"] = module
+        spec.loader.exec_module(module)
+
+
+_bootstrap_imports()
+
+from plora_hpo.adapter import AdapterConfig  # noqa: E402
+from plora_hpo.shapes import MODEL_SHAPES, TARGET_MODULES, ModelShape  # noqa: E402
+
+GIB = 2**30
+RANK_CYCLE = (8, 16, 32, 64, 128)
+SMOKE_SHAPES = {
+    "tiny-a": ModelShape("qwen2", 64, 160, 2, 4, 2, 512, True),
+    "tiny-b": ModelShape("qwen2", 96, 224, 2, 4, 2, 640, False),
+}
+QUALITY_SHAPE = ModelShape("qwen2", 512, 1408, 4, 8, 2, 2048, True)
+
+
+# --- small helpers ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Example:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+
+
+def shape_of(name: str) -> ModelShape:
+    return SMOKE_SHAPES.get(name) or MODEL_SHAPES[name]
+
+
+def build_model(shape: ModelShape, dtype: torch.dtype, device: torch.device, seed: int = 0) -> torch.nn.Module:
+    """A random-init transformers model at ``shape`` (what ``load_base_model("random:…")`` builds)."""
+    from transformers import AutoModelForCausalLM
+
+    from plora_hpo.models import ATTN_IMPLEMENTATION, random_config
+
+    devices = [device] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.device(device):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            random_config(shape), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        )
+    model.eval().requires_grad_(False)
+    return model
+
+
+def random_examples(n: int, seq: int, vocab: int, seed: int, min_len: int | None = None) -> list[Example]:
+    """Random token sequences, every position trained; lengths uniform in [min_len, seq] if given."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = seq if min_len is None else int(torch.randint(min_len, seq + 1, (1,), generator=g))
+        ids = torch.randint(1, vocab, (length,), generator=g)
+        out.append(Example(ids, ids))
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_bytes(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_matmul_tflops(device: torch.device, smoke: bool) -> float:
+    """bf16 n³ matrix product rate (random data), median of timed repeats."""
+    n = 1024 if smoke else 8192
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(13 if not smoke else 4):
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        if i >= 3 or smoke:
+            times.append(time.perf_counter() - t)
+    if device.type == "cuda":  # events are more precise for one product
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for _ in range(10):
+            start.record()
+            a @ b
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+# --- PEFT baseline -----------------------------------------------------------------------------
+def peft_setup(model, rank: int = 16):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        r=rank, lora_alpha=rank, lora_dropout=0.0, target_modules=list(TARGET_MODULES), task_type="CAUSAL_LM"
+    )
+    peft_model = get_peft_model(model, config)
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    device = params[0].device
+    optimizer = torch.optim.AdamW(params, lr=1e-4, fused=device.type == "cuda" or None)
+    return peft_model, optimizer
+
+
+def peft_step_fn(peft_model, optimizer, batch: int, seq: int, vocab: int, device: torch.device, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    pool = [torch.randint(1, vocab, (batch, seq), generator=g).to(device) for _ in range(4)]
+    mask = torch.ones(batch, seq, dtype=torch.long, device=device)
+    state = {"i": 0}
+
+    def step() -> None:
+        ids = pool[state["i"] % len(pool)]
+        state["i"] += 1
+        out = peft_model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed(step, warmup: int, steps: int, device: torch.device) -> tuple[list[float], float]:
+    """Run warm-up steps, then time ``steps`` steps (host clock around a synchronised step)."""
+    first = time.perf_counter()
+    for _ in range(warmup):
+        step()
+    sync(device)
+    warm_s = time.perf_counter() - first
+    reset_peak(device)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - t)
+    return times, warm_s
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    """One co-located PEFT process: build, warm up, wait for the common start, train for a window."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    shape = shape_of(args.shape)
+    sync_dir = Path(args.sync_dir)
+    result = {"id": args.worker_id, "pid": os.getpid()}
+    try:
+        model = build_model(shape, dtype, device, seed=args.worker_id)
+        peft_model, optimizer = peft_setup(model)
+        step = peft_step_fn(peft_model, optimizer, args.batch, args.seq, shape.vocab, device, seed=args.worker_id)
+        for _ in range(args.warmup):
+            step()
+        sync(device)
+        reset_peak(device)
+        (sync_dir / f"ready-{args.worker_id}").write_text("1")
+        go_file = sync_dir / "go"
+        deadline = time.time() + args.wait_s
+        while not go_file.exists():
+            if time.time() > deadline:
+                raise TimeoutError("no start signal")
+            time.sleep(0.005)
+        go_at = float(go_file.read_text())
+        time.sleep(max(0.0, go_at - time.time()))
+        steps = 0
+        while time.time() < go_at + args.window_s:
+            step()
+            sync(device)
+            steps += 1
+        end = time.time()
+        result.update(
+            steps=steps,
+            tokens=steps * args.batch * args.seq,
+            seconds=end - go_at,
+            tokens_per_s=steps * args.batch * args.seq / (end - go_at),
+            peak_bytes=peak_bytes(device),
+        )
+    except Exception as exc:  # reported by the parent
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    (sync_dir / f"result-{args.worker_id}.json").write_text(json.dumps(result))
+
+
+class Colocated:
+    """K separate PEFT processes on one GPU, started early so their start-up overlaps other work."""
+
+    def __init__(self, args, shape_name: str, seq: int, batch: int, count: int, window_s: float) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="plora-coloc-"))
+        self.count, self.batch, self.seq, self.shape_name = count, batch, seq, shape_name
+        self.window_s = window_s
+        self.started = time.perf_counter()
+        script = Path(__file__).resolve()
+        self.procs = []
+        for i in range(count):
+            cmd = [
+                sys.executable, str(script), "--worker", "--worker-id", str(i), "--sync-dir", str(self.dir),
+                "--shape", shape_name, "--seq", str(seq), "--batch", str(batch), "--device", args.device,
+                "--dtype", args.dtype, "--window-s", str(window_s), "--warmup", str(2 if not args.smoke else 1),
+            ]  # fmt: skip
+            log = open(self.dir / f"log-{i}.txt", "w")  # noqa: SIM115 - closed in collect
+            self.procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+
+    def ready(self) -> bool:
+        return all((self.dir / f"ready-{i}").exists() for i in range(self.count)) or any(
+            p.poll() is not None for p, _ in self.procs
+        )
+
+    def run(self, wait_s: float) -> dict:
+        deadline = time.perf_counter() + wait_s
+        while not self.ready() and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        startup_s = time.perf_counter() - self.started
+        (self.dir / "go").write_text(str(time.time() + 0.3))
+        for p, log in self.procs:
+            try:
+                p.wait(timeout=self.window_s + 60)
+            except subprocess.TimeoutExpired:
+                p.kill()
+            log.close()
+        results = []
+        for i in range(self.count):
+            path = self.dir / f"result-{i}.json"
+            if path.exists():
+                results.append(json.loads(path.read_text()))
+            else:
+                tail = (self.dir / f"log-{i}.txt").read_text()[-1500:]
+                results.append({"id": i, "error": f"no result; log tail: {tail}"})
+        errors = [r["error"] for r in results if "error" in r]
+        total = sum(r.get("tokens_per_s", 0.0) for r in results)
+        return {
+            "processes": results,
+            "tokens_per_s": total if not errors else None,
+            "error": "; ".join(errors) or None,
+            "startup_s": startup_s,
+            "peak_gib_each": [r.get("peak_bytes", 0) / GIB for r in results],
+        }
+
+
+# --- cost model ---------------------------------------------------------------------------------
+class Predictor:
+    """The planner's cost model (uncalibrated analytic prior) for a row."""
+
+    def __init__(self, gpu_name: str, memory_gib: float, matmul_tflops: float) -> None:
+        from plora_hpo.planner.cost_model import GpuSpec
+
+        self.gpu = GpuSpec(gpu_name, memory_gib, matmul_tflops=matmul_tflops)
+        self.error: str | None = None
+
+    def __call__(
+        self,
+        shape: ModelShape,
+        seq: int,
+        configs: list[AdapterConfig],
+        *,
+        checkpointing: bool = False,
+        logits_chunk_tokens: int | None = 4096,
+        micro_fraction: float = 1.0,
+    ) -> dict:
+        try:
+            from plora_hpo.planner.cost_model import CostModel, Workload
+
+            model = CostModel(Workload(shape, seq, TARGET_MODULES, 2, checkpointing, logits_chunk_tokens), self.gpu)
+            terms = model.memory_terms(configs)
+            out = {
+                "pred_peak_gib": model.peak_memory(configs) / GIB,
+                "pred_step_s": model.step_seconds(configs),
+            }
+            if micro_fraction < 1.0:  # the prior has no micro-batching: only one micro-batch's activations live
+                adjusted = replace(terms, activations=terms.activations * micro_fraction)
+                out["pred_peak_gib_microbatch_adjusted"] = model.memory_bytes(adjusted) / GIB
+            return out
+        except Exception as exc:  # the planner is another engineer's module: report, don't die
+            self.error = f"{type(exc).__name__}: {exc}"
+            return {"pred_error": self.error}
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.smoke = args.smoke
+        self.device = torch.device(args.device)
+        self.dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+        self.t0 = time.perf_counter()
+        self.rows: list[dict] = []
+        self.skipped: list[dict] = []
+        self.quality: dict | None = None
+        self.varlen: dict | None = None
+        self.profile: dict | None = None
+        self.fused_ok = True
+        self.checks: dict = {}
+        self.notes: list[str] = []
+        self.matmul_tflops = float("nan")
+        self.predict: Predictor | None = None
+        self.out = Path(args.out)
+        self.meta = self._meta()
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def fits(self, name: str, estimate_s: float) -> bool:
+        if self.elapsed() + estimate_s <= self.args.budget_s:
+            return True
+        self.skipped.append({"row": name, "reason": f"budget: {self.elapsed():.0f}s used, ~{estimate_s:.0f}s needed"})
+        print(f"[skip] {name}: budget", flush=True)
+        return False
+
+    def _meta(self) -> dict:
+        import transformers
+
+        try:
+            import peft
+
+            peft_version = peft.__version__
+        except ImportError:
+            peft_version = None
+        try:
+            import triton
+
+            triton_version = triton.__version__
+        except ImportError:
+            triton_version = None
+        gpu = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else platform.processor() or "cpu"
+        memory_gib = (
+            torch.cuda.get_device_properties(self.device).total_memory / GIB if self.device.type == "cuda" else 16.0
+        )
+        return {
+            "gpu": gpu,
+            "gpu_memory_gib": memory_gib,
+            "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "triton": triton_version,
+            "transformers": transformers.__version__,
+            "peft": peft_version,
+            "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
+            "smoke": self.smoke,
+        }
+
+    def save(self) -> None:
+        data = {
+            **self.meta,
+            "matmul_tflops": self.matmul_tflops,
+            "budget_s": self.args.budget_s,
+            "elapsed_s": round(self.elapsed(), 1),
+            "summary": self.summary(),
+            "rows": self.rows,
+            "skipped": self.skipped,
+            "quality": self.quality,
+            "varlen_check": self.varlen,
+            "profile": self.profile,
+            "self_check": self.checks,
+            "observations": self.observations(),
+            "notes": self.notes,
+        }
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1, default=str))
+        tmp.replace(self.out)
+
+    # ---- rows ----
+    def add_row(self, row: dict) -> dict:
+        row["elapsed_s"] = round(self.elapsed(), 1)
+        self.rows.append(row)
+        self.save()
+        print(format_row(row), flush=True)
+        return row
+
+    def foreign_bytes(self, model: torch.nn.Module, packed=None, adapter_ids=()) -> int:
+        """Device memory held by things other than this row's model and adapters (the other model
+        kept resident between rows, adapters of other rows): subtracted from the row's peak so
+        that it compares with the cost model's prediction for this row alone."""
+        if self.device.type != "cuda":
+            return 0
+        free_memory(self.device)
+        lora = set()
+        if packed is not None:
+            lora = {id(p) for a in packed.configs for p in packed.parameters_of(a)}
+        mine = {
+            id(p) for a in adapter_ids if packed is not None and a in packed.configs for p in packed.parameters_of(a)
+        }
+        own = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in lora or id(p) in mine)
+        own += sum(b.numel() * b.element_size() for b in model.buffers())
+        return max(0, torch.cuda.memory_allocated(self.device) - own)
+
+    def mfu(self, shape: ModelShape, tokens_per_s: float) -> float:
+        return 4 * shape.decoder_linear_params() * tokens_per_s / (self.matmul_tflops * 1e12)
+
+    def peft_row(self, model, shape_name: str, seq: int, batch: int, warmup: int, steps: int) -> dict:
+        shape = shape_of(shape_name)
+        row = {"name": f"{shape_name} s{seq} peft b{batch}", "kind": "peft", "model": shape_name, "seq_len": seq,
+               "K": 1, "ranks": [16], "batch_sizes": [batch]}  # fmt: skip
+        try:
+            foreign = self.foreign_bytes(model)
+            peft_model, optimizer = peft_setup(model)
+            step = peft_step_fn(peft_model, optimizer, batch, seq, shape.vocab, self.device, seed=batch)
+            times, warm_s = timed(step, warmup, steps, self.device)
+            step_s = statistics.median(times)
+            tokens = batch * seq
+            row.update(
+                tokens_per_step=tokens,
+                step_s=step_s,
+                warmup_s=warm_s,
+                tokens_per_s=tokens / step_s,
+                mfu=self.mfu(shape, tokens / step_s),
+                peak_gib=(peak_bytes(self.device) - foreign) / GIB,
+                other_resident_gib=foreign / GIB,
+            )
+            row.update(self.predict(shape, seq, [AdapterConfig(16, 16, 1e-4, batch)], logits_chunk_tokens=None))
+            del step, optimizer
+            peft_model.unload()  # the base model again, LoRA layers removed
+        except torch.OutOfMemoryError as exc:
+            row["error"] = f"OOM: {str(exc)[:200]}"
+        finally:
+            free_memory(self.device)
+        return self.add_row(row)
+
+    def packed_row(
+        self,
+        packed,
+        shape_name: str,
+        seq: int,
+        *,
+        name: str,
+        k: int,
+        batch_cycle: tuple[int, ...] = (1, 2),
+        rank_cycle: tuple[int, ...] = RANK_CYCLE,
+        knobs: dict | None = None,
+        min_len: int | None = None,
+        warmup: int = 2,
+        steps: int = 4,
+        cast_adapters: bool = True,
+        env: dict | None = None,
+    ) -> dict:
+        from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedTrainer
+
+        knobs = dict(knobs or {})
+        shape = shape_of(shape_name)
+        configs = [
+            AdapterConfig(
+                rank=rank_cycle[i % len(rank_cycle)],
+                alpha=2.0 * rank_cycle[i % len(rank_cycle)],
+                learning_rate=1e-4 * (1 + i % 4),
+                batch_size=batch_cycle[i % len(batch_cycle)],
+                seed=1000 + i,
+            )
+            for i in range(k)
+        ]
+        row = {"name": name, "kind": "packed", "model": shape_name, "seq_len": seq, "K": k,
+               "ranks": [c.rank for c in configs], "batch_sizes": [c.batch_size for c in configs],
+               "knobs": {**knobs, "cast_adapters": cast_adapters, **(env or {})}, "min_len": min_len}  # fmt: skip
+        trainer = None
+        saved_env = {key: os.environ.get(key) for key in env or {}}
+        os.environ.update(env or {})
+        # adapters are kept in the model between rows (same id = same rank and alpha): creating
+        # them (Kaiming init on the host) is not what a row measures
+        ids = [f"a{i}-r{c.rank}-alpha{c.alpha:g}" for i, c in enumerate(configs)]
+        packed.router.cast_adapters = cast_adapters
+        try:
+            examples = random_examples(64, seq, shape.vocab, seed=7, min_len=min_len)
+            settings = OptimizerSettings(lr_schedule="constant", max_grad_norm=1.0)
+            if not self.fused_ok:
+                knobs.setdefault("fused_elementwise", False)
+            foreign = self.foreign_bytes(packed.model, packed, ids)
+            trainer = PackedTrainer(packed, settings=settings, pad_id=0, device=self.device, **knobs)
+            for adapter_id, config in zip(ids, configs):
+                trainer.add_job(AdapterJob(adapter_id, config, examples, 10**9))
+            times, warm_s = timed(trainer.step, warmup, steps, self.device)
+            stats = trainer.stats
+            timed_steps = stats.step_seconds[-steps:]
+            real = stats.tokens / stats.steps
+            padded = stats.padded_tokens / stats.steps
+            step_s = statistics.median(times)
+            tokens_per_s = real / step_s
+            micro_fraction = 1.0
+            if knobs.get("micro_batch_tokens"):
+                micro_fraction = min(1.0, knobs["micro_batch_tokens"] / max(1.0, padded))
+            row.update(
+                tokens_per_step=real,
+                padded_tokens_per_step=padded,
+                micro_batches_per_step=stats.micro_batches / stats.steps,
+                step_s=step_s,
+                step_s_all=[round(t, 4) for t in timed_steps],
+                warmup_s=warm_s,
+                tokens_per_s=tokens_per_s,
+                mfu=self.mfu(shape, tokens_per_s),
+                peak_gib=(peak_bytes(self.device) - foreign) / GIB,
+                other_resident_gib=foreign / GIB,
+            )
+            row.update(
+                self.predict(
+                    shape,
+                    seq,
+                    configs,
+                    checkpointing=bool(knobs.get("activation_checkpointing")),
+                    logits_chunk_tokens=knobs.get("loss_chunk_tokens", 4096),
+                    micro_fraction=micro_fraction,
+                )
+            )
+        except torch.OutOfMemoryError as exc:
+            row["error"] = f"OOM: {str(exc)[:200]}"
+        except Exception as exc:
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            if trainer is not None:
+                for adapter_id in list(trainer.jobs):
+                    trainer.remove_job(adapter_id)
+                trainer.optimizer = None
+            packed.unpack()
+            packed.router.cast_adapters = True
+            for key, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            del trainer
+            free_memory(self.device)
+        return self.add_row(row)
+
+    def varlen_check(self, packed, shape_name: str, seq: int) -> dict:
+        """First-step losses of one pack with padded vs padding-free batches (lr 0): equal up to bf16."""
+        from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedTrainer
+
+        shape = shape_of(shape_name)
+        examples = random_examples(32, seq, shape.vocab, seed=11, min_len=seq // 8)
+        losses = {}
+        try:
+            for packing in ("padded", "varlen"):
+                settings = OptimizerSettings(lr_schedule="constant", max_grad_norm=1.0)
+                trainer = PackedTrainer(packed, settings=settings, pad_id=0, device=self.device, packing=packing)
+                for i, rank in enumerate(RANK_CYCLE[:4]):
+                    config = AdapterConfig(
+                        rank=rank, alpha=2.0 * rank, learning_rate=1e-30, batch_size=2, seed=1000 + i
+                    )
+                    trainer.add_job(AdapterJob(f"a{i}-r{rank}-alpha{2.0 * rank:g}", config, examples, 10**9))
+                losses[packing] = [r.loss for r in trainer.step()]
+                for adapter_id in list(trainer.jobs):
+                    trainer.remove_job(adapter_id)
+                packed.unpack()
+                del trainer
+            rel = max(abs(a - b) / abs(b) for a, b in zip(losses["varlen"], losses["padded"]))
+            return {"losses": losses, "max_rel_diff": rel, "ok": rel < 0.02}
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            return {"losses": losses, "error": f"{type(exc).__name__}: {str(exc)[:300]}", "ok": False}
+        finally:
+            free_memory(self.device)
+
+    def self_check(self) -> dict:
+        """The engine's GPU-only kernels against eager PyTorch on random bf16 data; a kernel that
+        disagrees is switched off for the rest of the run (and said so)."""
+        from plora_hpo.engine import loss
+        from plora_hpo.engine.fused import silu_mul
+
+        out: dict = {}
+        if self.device.type != "cuda":
+            return out
+        g = torch.Generator(device=self.device).manual_seed(0)
+
+        def rel(a, b):
+            return float((a.float() - b.float()).norm() / b.float().norm())
+
+        logits = torch.randn(512, 151936, device=self.device, generator=g).mul_(3).to(torch.bfloat16)
+        targets = torch.randint(0, 151936, (512,), device=self.device, generator=g)
+        full = logits.float()
+        want = torch.nn.functional.cross_entropy(full, targets, reduction="none")
+        want_grad = torch.softmax(full, -1)
+        want_grad[torch.arange(512, device=self.device), targets] -= 1
+        work = logits.clone()
+        got = loss.cross_entropy_rows(work, targets, write_grad=True)
+        out["cross_entropy"] = {"loss": rel(got, want), "grad": rel(work, want_grad)}
+        if not (out["cross_entropy"]["loss"] < 1e-4 and out["cross_entropy"]["grad"] < 1e-2):
+            os.environ["PLORA_FUSED_CE"] = "0"
+            self.notes.append(f"fused cross-entropy kernel disagreed ({out['cross_entropy']}): switched off")
+        gate = torch.randn(4096, 8960, device=self.device, generator=g, dtype=torch.bfloat16).requires_grad_()
+        up = torch.randn(4096, 8960, device=self.device, generator=g, dtype=torch.bfloat16).requires_grad_()
+        d = torch.randn(4096, 8960, device=self.device, generator=g, dtype=torch.bfloat16)
+        got = silu_mul(gate, up)
+        gg, gu = torch.autograd.grad(got, (gate, up), d)
+        gate32, up32 = gate.detach().float().requires_grad_(), up.detach().float().requires_grad_()
+        ref = torch.nn.functional.silu(gate32) * up32
+        rg, ru = torch.autograd.grad(ref, (gate32, up32), d.float())
+        out["silu_mul"] = {"out": rel(got, ref), "d_gate": rel(gg, rg), "d_up": rel(gu, ru)}
+        weight = (1.0 + 0.1 * torch.randn(1536, device=self.device, generator=g)).to(torch.bfloat16)
+        x = torch.randn(8192, 1536, device=self.device, dtype=torch.bfloat16, generator=g)
+        ref = weight.float() * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))
+        got = torch.nn.functional.rms_norm(x, (1536,), weight, 1e-6)
+        out["rms_norm"] = {"out": rel(got, ref)}
+        if not (max(out["silu_mul"].values()) < 1e-2 and out["rms_norm"]["out"] < 1e-2):
+            self.fused_ok = False
+            self.notes.append(f"fused elementwise kernels disagreed ({out}): switched off")
+        return out
+
+    def profile_step(self, packed, shape_name: str, seq: int, k: int) -> dict:
+        """Device time of one packed step by kernel family (torch.profiler), against its wall time."""
+        from torch.profiler import ProfilerActivity, profile
+
+        from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedTrainer
+
+        shape = shape_of(shape_name)
+        examples = random_examples(64, seq, shape.vocab, seed=7)
+        trainer = PackedTrainer(
+            packed, settings=OptimizerSettings(lr_schedule="constant", max_grad_norm=1.0), pad_id=0, device=self.device
+        )
+        try:
+            for i in range(k):
+                rank = RANK_CYCLE[i % len(RANK_CYCLE)]
+                config = AdapterConfig(
+                    rank=rank,
+                    alpha=2.0 * rank,
+                    learning_rate=1e-4 * (1 + i % 4),
+                    batch_size=(1, 2)[i % 2],
+                    seed=1000 + i,
+                )
+                trainer.add_job(AdapterJob(f"a{i}-r{rank}-alpha{2.0 * rank:g}", config, examples, 10**9))
+            for _ in range(2):
+                trainer.step()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            with profile(activities=activities) as prof:
+                started = time.perf_counter()
+                trainer.step()
+                wall = time.perf_counter() - started
+            families = {
+                "matmul (cuBLAS)": ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "cublas"),
+                "lora (Triton)": ("shrink_kernel", "expand_kernel", "outer_kernel"),
+                "attention": ("flash", "fmha", "attention"),
+                "cross-entropy (Triton)": ("_cross_entropy_kernel",),
+                "silu_mul (Triton)": ("_silu_mul",),
+                "rms_norm": ("rms", "norm"),
+                "optimizer": ("adam", "multi_tensor", "foreach"),
+                "copy/cast": ("copy", "cast", "to_copy"),
+            }
+            totals: dict[str, float] = {}
+            launches = 0
+            top = []
+            for event in prof.key_averages():
+                device_us = getattr(event, "self_device_time_total", None)
+                if device_us is None:
+                    device_us = getattr(event, "self_cuda_time_total", 0)
+                if event.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"):
+                    launches += event.count
+                if not device_us or event.device_type is None or "cuda" not in str(event.device_type).lower():
+                    continue
+                name = event.key.lower()
+                family = next((f for f, keys in families.items() if any(k in name for k in keys)), "other elementwise")
+                totals[family] = totals.get(family, 0.0) + device_us / 1e6
+                top.append((device_us / 1e6, event.key[:90], event.count))
+            top.sort(reverse=True)
+            busy = sum(totals.values())
+            return {
+                "model": shape_name,
+                "seq_len": seq,
+                "K": k,
+                "wall_s_profiled": wall,
+                "device_busy_s": busy,
+                "device_s_by_family": {f: round(v, 4) for f, v in sorted(totals.items(), key=lambda x: -x[1])},
+                "kernel_launches": launches,
+                "top_kernels": [{"s": round(t, 4), "name": n, "count": c} for t, n, c in top[:15]],
+            }
+        except Exception as exc:
+            import traceback
+
+            traceback.print_exc()
+            return {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        finally:
+            for adapter_id in list(trainer.jobs):
+                trainer.remove_job(adapter_id)
+            packed.unpack()
+            del trainer
+            free_memory(self.device)
+
+    # ---- kernel warm-up (compiles the Triton variants a pack's layers need) ----
+    def warm_kernels(self, shape: ModelShape, seq: int, k: int, batch_cycle=(1, 2)) -> float:
+        if self.device.type != "cuda":
+            return 0.0
+        from plora_hpo.kernels import SegmentLayout, packed_lora_add
+
+        started = time.perf_counter()
+        ranks = [RANK_CYCLE[i % len(RANK_CYCLE)] for i in range(k)]
+        rows = [batch_cycle[i % len(batch_cycle)] for i in range(k)]
+        layout = SegmentLayout.from_counts([r * seq for r in rows], ranks, [1.0] * k)
+        tokens = sum(rows) * seq
+        dims = sorted({shape.linear_dims(m) for m in TARGET_MODULES})
+        for d_in, d_out in dims:
+            x = torch.randn(tokens, d_in, device=self.device, dtype=self.dtype, requires_grad=True)
+            a = torch.randn(sum(ranks), d_in, device=self.device, dtype=self.dtype, requires_grad=True)
+            b = torch.randn(d_out, sum(ranks), device=self.device, dtype=self.dtype, requires_grad=True)
+            y = torch.randn(tokens, d_out, device=self.device, dtype=self.dtype, requires_grad=True)
+            packed_lora_add(y, x, a, b, layout).sum().backward()
+            del x, a, b, y
+        sync(self.device)
+        free_memory(self.device)
+        return time.perf_counter() - started
+
+    # ---- quality ----
+    def quality_check(self, steps: int) -> dict:
+        """Packed bf16 (Triton, fused ops) vs the fp32 reference path, same init and data."""
+        from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
+
+        shape = SMOKE_SHAPES["tiny-a"] if self.smoke else QUALITY_SHAPE
+        seq = 32 if self.smoke else 128
+        configs = [
+            AdapterConfig(rank=r, alpha=r, learning_rate=lr, batch_size=b, seed=50 + i)
+            for i, (r, lr, b) in enumerate([(8, 2e-3, 2), (16, 1e-3, 4), (64, 5e-4, 1), (128, 2e-3, 2)])
+        ]
+        data = [markov_examples(48, seq, shape.vocab, seed=60 + i) for i in range(len(configs))]
+        settings = OptimizerSettings(lr_schedule="cosine", warmup_ratio=0.05, max_grad_norm=1.0)
+        curves = {}
+        started = time.perf_counter()
+        for label, dtype, kernels in (("bf16", torch.bfloat16, None), ("fp32_reference", torch.float32, "reference")):
+            previous = os.environ.get("PLORA_KERNELS")
+            if kernels:
+                os.environ["PLORA_KERNELS"] = kernels
+            try:
+                model = build_model(shape, torch.float32, self.device, seed=3).to(dtype)
+                packed = PackedLoraModel(model, TARGET_MODULES)
+                trainer = PackedTrainer(
+                    packed, settings=settings, pad_id=0, device=self.device, fused_elementwise=dtype != torch.float32
+                )
+                for i, config in enumerate(configs):
+                    trainer.add_job(AdapterJob(f"q{i}", config, data[i], steps))
+                losses = {f"q{i}": [] for i in range(len(configs))}
+                trainer.run(lambda r, losses=losses: losses[r.adapter_id].append(r.loss) or True)
+                curves[label] = losses
+            finally:
+                if kernels:
+                    if previous is None:
+                        os.environ.pop("PLORA_KERNELS", None)
+                    else:
+                        os.environ["PLORA_KERNELS"] = previous
+                free_memory(self.device)
+        per_adapter = {}
+        for adapter_id in curves["bf16"]:
+            got = torch.tensor(curves["bf16"][adapter_id], dtype=torch.float64)
+            want = torch.tensor(curves["fp32_reference"][adapter_id], dtype=torch.float64)
+            rel = (got - want).abs() / want.abs()
+            window = min(10, len(got))
+            smooth_got = torch.nn.functional.avg_pool1d(got[None, None], window, 1)[0, 0]
+            smooth_want = torch.nn.functional.avg_pool1d(want[None, None], window, 1)[0, 0]
+            smooth_rel = (smooth_got - smooth_want).abs() / smooth_want.abs()
+            per_adapter[adapter_id] = {
+                "rank": configs[int(adapter_id[1:])].rank,
+                "first_loss_fp32": float(want[0]),
+                "last_loss_fp32": float(want[-1]),
+                "last_loss_bf16": float(got[-1]),
+                "max_rel_dev": float(rel.max()),
+                "mean_rel_dev": float(rel.mean()),
+                "max_rel_dev_smoothed10": float(smooth_rel.max()),
+            }
+        worst = max(v["max_rel_dev"] for v in per_adapter.values())
+        worst_smooth = max(v["max_rel_dev_smoothed10"] for v in per_adapter.values())
+        return {
+            "steps": steps,
+            "model": asdict(shape),
+            "seq_len": seq,
+            "data": "per-adapter first-order Markov chains (4 successors per token), 48 sequences each",
+            "per_adapter": per_adapter,
+            "max_rel_dev": worst,
+            "max_rel_dev_smoothed10": worst_smooth,
+            "within_1pct_every_step": worst <= 0.01,
+            "within_1pct_smoothed": worst_smooth <= 0.01,
+            "seconds": time.perf_counter() - started,
+            "curves": {k: {a: [round(x, 5) for x in v] for a, v in c.items()} for k, c in curves.items()},
+        }
+
+    # ---- summary ----
+    def find(self, name: str) -> dict | None:
+        return next((r for r in self.rows if r["name"] == name and not r.get("error")), None)
+
+    def summary(self) -> dict:
+        big, big7 = self.args.shapes
+        seq = self.args.seqs[0]
+        packed32 = self.find(f"{big} s{seq} packed K32")
+        peft_b1 = self.find(f"{big} s{seq} peft b1")
+        coloc = next((r for r in self.rows if r["kind"] == "colocated" and r.get("tokens_per_s")), None)
+        packed32_7b = self.find(f"{big7} s{seq} packed K32")
+
+        def ratio(a, b):
+            return a["tokens_per_s"] / b["tokens_per_s"] if a and b and b.get("tokens_per_s") else None
+
+        mem_errors = []
+        for r in self.rows:
+            if r.get("error") or r["kind"] != "packed" or not r.get("peak_gib"):
+                continue
+            pred = r.get("pred_peak_gib_microbatch_adjusted", r.get("pred_peak_gib"))
+            if pred:
+                mem_errors.append((pred - r["peak_gib"]) / r["peak_gib"])
+        summary = {
+            "packed32_vs_peft_b1": ratio(packed32, peft_b1),
+            "packed32_vs_colocated": ratio(packed32, coloc),
+            "mfu_7b": packed32_7b["mfu"] if packed32_7b else None,
+            "memory_prediction_error": statistics.median(abs(e) for e in mem_errors) if mem_errors else None,
+            "memory_prediction_error_max": max((abs(e) for e in mem_errors), default=None),
+            "memory_prediction_signed": [round(e, 3) for e in mem_errors],
+            "definitions": (
+                f"ratios: tokens/s of '{big} s{seq} packed K32' (32 adapters, ranks 8..128, batch 1-2) over "
+                f"'{big} s{seq} peft b1' and over the summed tokens/s of the co-located PEFT batch-4 processes; "
+                f"mfu_7b: 4*decoder linear params*tokens/s / measured bf16 matmul rate for '{big7} s{seq} packed K32'; "
+                "memory_prediction_error: median |pred-measured|/measured peak over packed rows, prediction = "
+                "planner cost model prior (uncalibrated), activations scaled to one micro-batch where micro-batched"
+            ),
+        }
+        if self.quality:
+            summary["quality_max_rel_dev"] = self.quality.get("max_rel_dev")
+            summary["quality_max_rel_dev_smoothed10"] = self.quality.get("max_rel_dev_smoothed10")
+        goals = {
+            "packed32_vs_peft_b1>=15": _ge(summary["packed32_vs_peft_b1"], 15),
+            "packed32_vs_colocated>=3": _ge(summary["packed32_vs_colocated"], 3),
+            "mfu_7b>=0.5": _ge(summary["mfu_7b"], 0.5),
+            "memory_prediction_error<=0.1": None
+            if summary["memory_prediction_error_max"] is None
+            else summary["memory_prediction_error_max"] <= 0.1,
+        }
+        summary["goals_met"] = goals
+        return summary
+
+    def observations(self) -> list[dict]:
+        """Packed rows in the planner's calibration format (plora_hpo.planner.calibrate.Observation)."""
+        out = []
+        for r in self.rows:
+            if r["kind"] != "packed" or r.get("error") or r.get("min_len"):
+                continue
+            out.append(
+                {
+                    "model": r["model"],
+                    "gpu": self.meta["gpu"],
+                    "ranks": r["ranks"],
+                    "batch_sizes": r["batch_sizes"],
+                    "seq_len": r["seq_len"],
+                    "targets": list(TARGET_MODULES),
+                    "step_seconds": r["step_s"],
+                    "peak_bytes": r["peak_gib"] * GIB,
+                    "degree": 1,
+                    "dtype_bytes": 2,
+                    "checkpointing": bool(r["knobs"].get("activation_checkpointing")),
+                    "logits_chunk_tokens": r["knobs"].get("loss_chunk_tokens", 4096),
+                    "knobs": r["knobs"],
+                }
+            )
+        return out
+
+
+def _ge(value, bound):
+    return None if value is None else value >= bound
+
+
+def markov_examples(n: int, seq: int, vocab: int, seed: int) -> list[Example]:
+    """Sequences of a random first-order Markov chain with 4 likely successors per token: learnable."""
+    g = torch.Generator().manual_seed(seed)
+    successors = torch.randint(1, vocab, (vocab, 4), generator=g)
+    out = []
+    for _ in range(n):
+        ids = torch.empty(seq, dtype=torch.long)
+        ids[0] = int(torch.randint(1, vocab, (1,), generator=g))
+        choice = torch.randint(0, 4, (seq,), generator=g)
+        for t in range(1, seq):
+            ids[t] = successors[ids[t - 1], choice[t]]
+        out.append(Example(ids, ids))
+    return out
+
+
+def format_row(r: dict) -> str:
+    if r.get("error"):
+        return f"{r['name']:<44} ERROR {r['error'][:120]}"
+
+    def f(key, fmt, default="-"):
+        value = r.get(key)
+        return format(value, fmt) if isinstance(value, (int, float)) and value == value else default
+
+    pred_mem = r.get("pred_peak_gib_microbatch_adjusted", r.get("pred_peak_gib"))
+    pred_mem_s = f"{pred_mem:6.1f}" if isinstance(pred_mem, float) else "     -"
+    return (
+        f"{r['name']:<44} {f('tokens_per_s', '9.0f')} tok/s  MFU {f('mfu', '5.1%')}  "
+        f"peak {f('peak_gib', '6.1f')} GiB (pred {pred_mem_s})  step {f('step_s', '7.3f')} s "
+        f"(pred {f('pred_step_s', '6.3f')})"
+    )
+
+
+def run(args: argparse.Namespace) -> None:
+    from plora_hpo.engine import PackedLoraModel
+
+    bench = Bench(args)
+    big, big7 = args.shapes
+    seq, seq_long = args.seqs
+    warm = 1 if args.smoke else 2
+    steps = 2 if args.smoke else 4
+    peft_steps = 2 if args.smoke else 6
+    K32 = 6 if args.smoke else 32  # the smoke run keeps the row names, with fewer adapters
+
+    def want(section: str) -> bool:
+        return "all" in args.sections or section in args.sections
+
+    # 1. co-located PEFT processes start now; their start-up overlaps ours (nothing is timed meanwhile)
+    coloc = (
+        Colocated(args, big, seq, batch=4, count=4 if not args.smoke else 2, window_s=args.coloc_window_s)
+        if args.colocated and want("coloc")
+        else None
+    )
+    model = build_model(shape_of(big), bench.dtype, bench.device)
+    try:
+        compile_s = bench.warm_kernels(shape_of(big), seq, K32)
+    except Exception as exc:  # compile errors show up again, per row, where they are reported
+        compile_s = float("nan")
+        bench.notes.append(f"kernel warm-up failed: {type(exc).__name__}: {str(exc)[:300]}")
+    bench.notes.append(f"Triton warm-up for the {big} K=32 layout (overlaps the co-located start-up): {compile_s:.1f}s")
+    if coloc is not None:
+        res = coloc.run(wait_s=args.coloc_wait_s)
+        n = coloc.count
+        row = {"name": f"{big} s{seq} colocated {n}x b{coloc.batch}",
+               "kind": "colocated", "model": big, "seq_len": seq, "K": n, "ranks": [16] * n,
+               "batch_sizes": [coloc.batch] * n, "tokens_per_s": res["tokens_per_s"], "error": res["error"],
+               "peak_gib": sum(res["peak_gib_each"]), "peak_gib_each": res["peak_gib_each"],
+               "startup_s": res["startup_s"], "processes": res["processes"]}  # fmt: skip
+        bench.add_row(row)
+    bench.matmul_tflops = measure_matmul_tflops(bench.device, args.smoke)
+    for row in bench.rows:  # rows measured before the matmul rate
+        if row.get("tokens_per_s"):
+            row["mfu"] = bench.mfu(shape_of(row["model"]), row["tokens_per_s"])
+    bench.predict = Predictor(bench.meta["gpu"], bench.meta["gpu_memory_gib"], bench.matmul_tflops)
+    print(f"bf16 matmul: {bench.matmul_tflops:.0f} TFLOP/s", flush=True)
+    try:
+        bench.checks = bench.self_check()
+    except Exception as exc:
+        bench.checks = {"error": f"{type(exc).__name__}: {exc}"}
+        bench.fused_ok = False
+        os.environ["PLORA_FUSED_CE"] = "0"
+    print(f"self-check: {bench.checks}", flush=True)
+    free_memory(bench.device)
+
+    # 2. the headline rows (summary), in priority order
+    if want("headline"):
+        bench.peft_row(model, big, seq, 1, warm + 1, peft_steps)
+        bench.peft_row(model, big, seq, 4, warm, peft_steps)
+    packed = PackedLoraModel(model, TARGET_MODULES)
+    if want("headline"):
+        bench.packed_row(packed, big, seq, name=f"{big} s{seq} packed K32", k=K32, warmup=warm, steps=steps)
+
+    model7 = packed7 = None
+    if (want("7b") or want("7b_long")) and bench.fits(f"{big7} block", 70 if not args.smoke else 5):
+        model7 = build_model(shape_of(big7), bench.dtype, bench.device)
+        if want("7b"):
+            bench.peft_row(model7, big7, seq, 4, warm, peft_steps)
+            bench.peft_row(model7, big7, seq, 1, warm, peft_steps)
+        packed7 = PackedLoraModel(model7, TARGET_MODULES)
+        micro7 = None if args.smoke else args.micro_7b
+        if want("7b"):
+            bench.packed_row(
+                packed7, big7, seq, name=f"{big7} s{seq} packed K32", k=K32,
+                knobs={"micro_batch_tokens": micro7}, warmup=1, steps=3 if not args.smoke else 2,
+            )  # fmt: skip
+
+    if want("quality") and args.quality_steps and bench.fits("quality", 25 if not args.smoke else 5):
+        try:
+            bench.quality = bench.quality_check(args.quality_steps)
+            q = bench.quality
+            print(f"quality: max rel dev {q['max_rel_dev']:.4f} (smoothed {q['max_rel_dev_smoothed10']:.4f}) "
+                  f"over {q['steps']} steps, {q['seconds']:.0f}s", flush=True)  # fmt: skip
+        except Exception as exc:
+            bench.quality = {"error": f"{type(exc).__name__}: {exc}"}
+            import traceback
+
+            traceback.print_exc()
+        bench.save()
+
+    # 3. the rest of the matrix, while time allows
+    if packed7 is not None:
+        if want("7b_long") and bench.fits(f"{big7} s{seq_long} packed K32", 30 if not args.smoke else 1):
+            bench.packed_row(packed7, big7, seq_long, name=f"{big7} s{seq_long} packed K32", k=K32,
+                             knobs={"micro_batch_tokens": None if args.smoke else args.micro_7b}, warmup=1,
+                             steps=2)  # fmt: skip
+        del packed7, model7
+        free_memory(bench.device)
+
+    micro = 8192 if not args.smoke else 128
+    micro_long = None if args.smoke else 16384
+    extras = [
+        (f"{big} s{seq} packed K32 -packed_storage", dict(k=K32, knobs={"packed_storage": False}), 15),
+        (f"{big} s{seq} packed K32 -fused_elementwise", dict(k=K32, knobs={"fused_elementwise": False}), 10),
+        (f"{big} s{seq} packed K32 -fused_ce", dict(k=K32, env={"PLORA_FUSED_CE": "0"}), 10),
+        (f"{big} s{seq} mixedlen K32 padded", dict(k=K32, min_len=seq // 8), 10),
+        (f"{big} s{seq} mixedlen K32 varlen", dict(k=K32, min_len=seq // 8, knobs={"packing": "varlen"}), 12),
+        (f"{big} s{seq} packed K32 +checkpointing", dict(k=K32, knobs={"activation_checkpointing": True}), 12),
+        (f"{big} s{seq} packed K8", dict(k=8), 8),
+        (f"{big} s{seq} packed K1 r16 b4", dict(k=1, batch_cycle=(4,), rank_cycle=(16,)), 20),
+        (f"{big} s{seq} packed K32 micro 8192", dict(k=K32, knobs={"micro_batch_tokens": micro}), 10),
+        (f"{big} s{seq_long} packed K32", dict(k=K32, seq=seq_long, knobs={"micro_batch_tokens": micro_long}), 40),
+        (f"{big} s{seq} mixedlen K32 bucketed", dict(k=K32, min_len=seq // 8, knobs={"micro_batch_tokens": micro},
+                                                     warmup=8 if not args.smoke else 1), 30),
+        (f"{big} s{seq} packed K32 -bf16_cast", dict(k=K32, cast_adapters=False), 30),
+    ]  # fmt: skip
+    if want("profile") and bench.fits("profile", 15 if not args.smoke else 1):
+        bench.profile = bench.profile_step(packed, big, seq, K32)
+        print(f"profile: {json.dumps(bench.profile)[:1500]}", flush=True)
+        bench.save()
+    if want("extras"):
+        for name, spec, estimate in extras:
+            if args.extras and not any(f in name for f in args.extras):
+                continue
+            if not bench.fits(name, estimate if not args.smoke else 1):
+                continue
+            if spec.get("knobs", {}).get("packing") == "varlen":
+                bench.varlen = bench.varlen_check(packed, big, seq)
+                print(f"varlen check: {bench.varlen}", flush=True)
+                bench.save()
+            spec = dict(spec)
+            row_seq = spec.pop("seq", seq)
+            row_warm = spec.pop("warmup", warm)
+            bench.packed_row(packed, big, row_seq, name=name, warmup=row_warm, steps=steps, **spec)
+    if want("long_peft") and bench.fits(f"{big} s{seq_long} peft b1", 10 if not args.smoke else 1):
+        # the PEFT baseline needs the plain base model back
+        bench.notes.append("seq-long PEFT row ran on a fresh base model")
+        del packed, model
+        free_memory(bench.device)
+        model = build_model(shape_of(big), bench.dtype, bench.device)
+        bench.peft_row(model, big, seq_long, 1, warm, peft_steps)
+
+    bench.save()
+    print_table(bench)
+
+
+def print_table(bench: Bench) -> None:
+    print("\n=== throughput (" + bench.meta["gpu"] + f", bf16 matmul {bench.matmul_tflops:.0f} TFLOP/s) ===")
+    for r in bench.rows:
+        print(format_row(r))
+    if bench.quality and "error" not in bench.quality:
+        q = bench.quality
+        print(f"quality ({q['steps']} steps, 4 adapters): max rel dev {q['max_rel_dev']:.4f}, "
+              f"smoothed(10) {q['max_rel_dev_smoothed10']:.4f}")  # fmt: skip
+    elif bench.quality:
+        print("quality: " + bench.quality["error"])
+    print("summary:", json.dumps({k: v for k, v in bench.summary().items() if k != "definitions"}, default=str))
+    if bench.skipped:
+        print("skipped:", ", ".join(s["row"] for s in bench.skipped))
+    print(f"elapsed {bench.elapsed():.0f}s; JSON: {bench.out}")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default $OUT/throughput-h200.json)")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: check every code path")
+    p.add_argument("--budget-s", type=float, default=280.0, help="skip optional rows past this many seconds")
+    p.add_argument("--quality-steps", type=int, default=None, help="steps of the quality check (0: skip)")
+    p.add_argument("--no-colocated", dest="colocated", action="store_false")
+    p.add_argument("--coloc-window-s", type=float, default=8.0)
+    p.add_argument("--coloc-wait-s", type=float, default=120.0)
+    p.add_argument(
+        "--sections",
+        default="all",
+        type=lambda v: v.split(","),
+        help="comma list of: coloc, headline, 7b, quality, 7b_long, extras, profile, long_peft (default all)",
+    )
+    p.add_argument("--extras", default=None, type=lambda v: v.split(","), help="only extras whose name contains these")
+    p.add_argument("--micro-7b", type=int, default=4096, help="micro-batch tokens of the 7b packed rows")
+    # worker mode (internal)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-id", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--sync-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seq", type=int, default=512, help=argparse.SUPPRESS)
+    p.add_argument("--batch", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--window-s", type=float, default=8.0, help=argparse.SUPPRESS)
+    p.add_argument("--warmup", type=int, default=2, help=argparse.SUPPRESS)
+    p.add_argument("--wait-s", type=float, default=240.0, help=argparse.SUPPRESS)
+    p.add_argument("--device", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
+    if args.dtype is None:
+        args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.smoke:
+        args.shapes, args.seqs = ("tiny-a", "tiny-b"), (32, 64)
+        args.coloc_window_s = min(args.coloc_window_s, 2.0)
+        if args.quality_steps is None:
+            args.quality_steps = 6
+    else:
+        args.shapes, args.seqs = ("qwen2.5-1.5b", "qwen2.5-7b"), (512, 1024)
+        if args.quality_steps is None:
+            args.quality_steps = 200
+    if args.out is None and not args.worker:
+        out_dir = os.environ.get("OUT") or "."
+        args.out = Path(out_dir) / ("throughput-smoke.json" if args.smoke else "throughput-h200.json")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

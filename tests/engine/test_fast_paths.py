@@ -1,0 +1,246 @@
+"""The engine's speed knobs change how a step is computed, never what it computes.
+
+Each knob (micro-batching with length bucketing, padding-free packing, activation
+checkpointing, fused elementwise ops, packed adapter storage) is compared in fp32 on the CPU
+with the plain path, which test_parity_peft.py ties to PEFT.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plora_hpo.adapter import AdapterConfig
+from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
+from plora_hpo.engine.batching import IGNORE_INDEX, plan_micro_batches
+from plora_hpo.engine.fused import fuse_elementwise, unfuse_elementwise, varlen_attention
+from plora_hpo.engine.loss import grouped_label_loss
+
+from .conftest import random_examples, tiny_model
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SETTINGS = OptimizerSettings(lr_schedule="cosine", warmup_ratio=0.2, weight_decay=0.01, max_grad_norm=0.5)
+CONFIGS = [
+    AdapterConfig(rank=8, alpha=16.0, learning_rate=4e-3, batch_size=3, seed=21),
+    AdapterConfig(rank=16, alpha=8.0, learning_rate=2e-3, batch_size=2, seed=22),
+    AdapterConfig(rank=4, alpha=4.0, learning_rate=5e-3, batch_size=4, seed=23, use_rslora=True),
+]
+STEPS = [5, 3, 4]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def train(family: str, **knobs):
+    base = tiny_model(family)
+    datasets = [random_examples(10, seed=300 + i, min_len=4, max_len=24) for i in range(len(CONFIGS))]
+    packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
+    trainer = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu", **knobs)
+    for i, (config, steps) in enumerate(zip(CONFIGS, STEPS)):
+        trainer.add_job(AdapterJob(f"a{i}", config, datasets[i], steps))
+    losses: dict[str, list[float]] = {f"a{i}": [] for i in range(len(CONFIGS))}
+    stats = trainer.run(lambda r: losses[r.adapter_id].append(r.loss) or True)
+    weights = {a: {k: v.clone() for k, v in packed.state_dict_of(a).items()} for a in losses}
+    return losses, weights, stats
+
+
+def assert_same(reference, other, tol=2e-5):
+    ref_losses, ref_weights, _ = reference
+    losses, weights, _ = other
+    for adapter_id, want in ref_losses.items():
+        got = losses[adapter_id]
+        assert len(got) == len(want)
+        assert torch.allclose(torch.tensor(got), torch.tensor(want), rtol=tol, atol=0), (adapter_id, got, want)
+        for key, w in ref_weights[adapter_id].items():
+            assert rel_err(weights[adapter_id][key], w) <= tol, (adapter_id, key)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return {family: train(family) for family in ("llama", "qwen2")}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"micro_batch_tokens": 40},
+        {"packing": "varlen"},
+        {"packing": "varlen", "micro_batch_tokens": 50},
+        {"activation_checkpointing": True},
+        {"activation_checkpointing": True, "packing": "varlen", "micro_batch_tokens": 64},
+        {"fused_elementwise": True},
+        {"packed_storage": False},
+        {"loss_chunk_tokens": 7},
+    ],
+    ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()),
+)
+def test_knob_keeps_the_step(reference, family, knobs):
+    result = train(family, **knobs)
+    assert_same(reference[family], result)
+    if "micro_batch_tokens" in knobs:
+        assert result[2].micro_batches > result[2].steps  # the step really was split
+    if knobs.get("packing") == "varlen":
+        assert result[2].padded_tokens == result[2].tokens  # no padding computed
+
+
+def test_bucketing_cuts_padding():
+    rows = random_examples(24, seed=5, min_len=4, max_len=64)
+    groups = [("a", rows[:12]), ("b", rows[12:])]
+    whole = plan_micro_batches(groups, 0, "cpu")
+    bucketed = plan_micro_batches(groups, 0, "cpu", max_tokens=256)
+    assert len(whole) == 1 and len(bucketed) > 1
+    assert sum(m.real_tokens for m in bucketed) == whole[0].real_tokens
+    assert sum(m.padded_tokens for m in bucketed) < whole[0].padded_tokens
+    for mb in bucketed:  # every micro-batch lists both adapters, in pack order, rows grouped
+        assert [a for a, _ in mb.groups] == ["a", "b"]
+        assert mb.padded_tokens <= 256 or mb.input_ids.shape[0] == 1
+    assert sum(m.label_counts[0] for m in bucketed) == whole[0].label_counts[0]
+
+
+def test_varlen_micro_batch_targets_stay_inside_sequences():
+    rows = random_examples(5, seed=8, min_len=4, max_len=9)
+    (mb,) = plan_micro_batches([("a", rows[:2]), ("b", rows[2:])], 0, "cpu", packing="varlen")
+    assert mb.input_ids.shape == (1, sum(len(r.input_ids) for r in rows))
+    want_targets = []
+    for r in rows:
+        want_targets += [t for t in r.labels[1:] if t != IGNORE_INDEX]
+    assert mb.targets.tolist() == want_targets
+    assert mb.cu_seqlens.tolist()[-1] == mb.input_ids.shape[1]
+    assert mb.token_counts == [sum(len(r.input_ids) for r in rows[:2]), sum(len(r.input_ids) for r in rows[2:])]
+
+
+def test_grouped_label_loss_matches_cross_entropy():
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    hidden = torch.randn(23, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (23,))
+    groups = torch.tensor([0] * 9 + [2] * 14)
+    sums = grouped_label_loss(hidden, head, targets, groups, 3, chunk_tokens=5)
+    (sums * torch.tensor([0.5, 1.0, 2.0])).sum().backward()
+    h2 = hidden.detach().clone().requires_grad_(True)
+    ce = F.cross_entropy(head(h2), targets, reduction="none")
+    want = torch.stack([ce[:9].sum(), ce.new_zeros(()), ce[9:].sum()])
+    (want * torch.tensor([0.5, 1.0, 2.0])).sum().backward()
+    assert torch.allclose(sums, want, rtol=1e-5)
+    assert torch.allclose(hidden.grad, h2.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_varlen_attention_reference_is_per_sequence():
+    torch.manual_seed(1)
+    q, k, v = torch.randn(11, 4, 8), torch.randn(11, 2, 8), torch.randn(11, 2, 8)
+    cu = torch.tensor([0, 5, 11], dtype=torch.int32)
+    out = varlen_attention(q, k, v, cu, 6, 8**-0.5)
+    first = F.scaled_dot_product_attention(
+        q[:5].transpose(0, 1), k[:5].transpose(0, 1), v[:5].transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+    assert torch.allclose(out[:5], first, atol=1e-6)
+
+
+def test_fused_elementwise_is_reversible():
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 90, (2, 7))
+    want = model(ids).logits
+    assert fuse_elementwise(model) > 0
+    got = model(ids).logits
+    unfuse_elementwise(model)
+    assert not any("forward" in m.__dict__ for m in model.modules())
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_repacks_after_parameters_are_repointed():
+    """Evaluation may page adapters (``p.data = ...``): the trainer notices and repacks."""
+    base = tiny_model("llama")
+    packed = PackedLoraModel(base, TARGETS)
+    trainer = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu")
+    trainer.add_job(AdapterJob("a0", CONFIGS[0], random_examples(6, seed=1), 4))
+    trainer.add_job(AdapterJob("a1", CONFIGS[1], random_examples(6, seed=2), 4))
+    trainer.step()
+    assert packed.pack_intact(["a0", "a1"])
+    for p in packed.parameters_of("a1"):
+        p.data = p.data.clone()
+    assert not packed.pack_intact(["a0", "a1"])
+    before = {k: v.clone() for k, v in packed.state_dict_of("a1").items()}
+    trainer.step()
+    assert packed.pack_intact(["a0", "a1"])
+    after = packed.state_dict_of("a1")
+    assert any(rel_err(after[k], before[k]) > 0 for k in before if "lora_B" in k)  # it trained
+    trainer.remove_job("a0")
+    trainer.step()
+    assert packed.packed_ids == ("a1",)
+
+
+def test_gpu_triton_kernels_under_interpreter():
+    """The fused SwiGLU and cross-entropy kernels (GPU paths) against eager, on Triton's CPU
+    interpreter (fp32: the interpreter does not emulate bf16)."""
+    code = textwrap.dedent(
+        """
+        import torch, torch.nn.functional as F
+        from plora_hpo.kernels._interpret import patch_interpreter
+        patch_interpreter()  # Triton 3.6 interpreter vs NumPy >= 2.4: loops with runtime bounds
+        from plora_hpo.engine import loss
+        from plora_hpo.engine.fused import _SiluMul
+        torch.manual_seed(0)
+        g = torch.randn(3, 5, 67, requires_grad=True); u = torch.randn(3, 5, 67, requires_grad=True)
+        out = _SiluMul.apply(g, u); d = torch.randn_like(out); out.backward(d)
+        g2 = g.detach().clone().requires_grad_(); u2 = u.detach().clone().requires_grad_()
+        ref = F.silu(g2) * u2; ref.backward(d)
+        for a, b in ((out, ref), (g.grad, g2.grad), (u.grad, u2.grad)):
+            assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+        loss._use_triton = lambda logits: True  # the kernel, on the interpreter
+        loss._CE_BLOCK = 64
+        logits = torch.randn(9, 301) * 4; targets = torch.randint(0, 301, (9,))
+        want = F.cross_entropy(logits, targets, reduction="none")
+        want_grad = torch.softmax(logits, -1) - F.one_hot(targets, 301)
+        work = logits.clone()
+        got = loss.cross_entropy_rows(work, targets, write_grad=True)
+        assert torch.allclose(got, want, atol=1e-5), (got, want)
+        assert torch.allclose(work, want_grad, atol=1e-6)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_packed_storage_through_triton_kernels_under_interpreter():
+    """Packed (transposed-B) storage through the Triton kernels equals the reference path (fp32)."""
+    code = textwrap.dedent(
+        """
+        import copy, os, torch
+        from tests.engine.conftest import random_examples, tiny_model
+        from plora_hpo.adapter import AdapterConfig
+        from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
+        targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        base = tiny_model("qwen2")
+        def run(kernels):
+            os.environ["PLORA_KERNELS"] = kernels
+            packed = PackedLoraModel(copy.deepcopy(base), targets)
+            trainer = PackedTrainer(packed, settings=OptimizerSettings(max_grad_norm=1.0), pad_id=0, device="cpu")
+            for i, (r, b) in enumerate([(8, 2), (16, 1), (32, 3)]):
+                config = AdapterConfig(rank=r, alpha=r, learning_rate=3e-3, batch_size=b, seed=i)
+                trainer.add_job(AdapterJob(f"a{i}", config, random_examples(8, seed=i), 3))
+            losses = []
+            trainer.run(lambda r: losses.append(r.loss) or True)
+            return losses, {a: packed.state_dict_of(a) for a in ("a0", "a1", "a2")}
+        (ref_l, ref_w), (tri_l, tri_w) = run("reference"), run("triton")
+        assert torch.allclose(torch.tensor(tri_l), torch.tensor(ref_l), rtol=1e-5), (tri_l, ref_l)
+        for a in ref_w:
+            for k, w in ref_w[a].items():
+                assert float((tri_w[a][k] - w).norm() / w.norm().clamp_min(1e-30)) < 1e-4, (a, k)
+        print("ok")
+        """
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
