@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import os
 import platform
@@ -46,30 +45,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import _bootstrap  # noqa: F401  (makes plora_hpo importable from a bare checkout)
 import torch
 
-
-def _bootstrap_imports() -> None:
-    """Run from a bare checkout too: the package's ``kernels/`` folder installs as ``plora_hpo.kernels``."""
-    root = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(root))
-    try:
-        import plora_hpo.kernels  # noqa: F401
-    except ImportError:
-        spec = importlib.util.spec_from_file_location(
-            "plora_hpo.kernels", root / "kernels" / "__init__.py", submodule_search_locations=[str(root / "kernels")]
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["plora_hpo.kernels"] = module
-        spec.loader.exec_module(module)
-
-
-_bootstrap_imports()
-
-from plora_hpo.adapter import AdapterConfig  # noqa: E402
-from plora_hpo.engine import PackedLoraModel, export_peft_adapter  # noqa: E402
-from plora_hpo.evaluation.generation import GenerationJob, GenerationStats, generate_greedy  # noqa: E402
-from plora_hpo.evaluation.scoring import ScoreRequest, ScoringStats, score_continuations  # noqa: E402
+from plora_hpo.adapter import AdapterConfig
+from plora_hpo.engine import PackedLoraModel, export_peft_adapter
+from plora_hpo.evaluation.generation import GenerationJob, GenerationStats, generate_greedy
+from plora_hpo.evaluation.scoring import ScoreRequest, ScoringStats, score_continuations
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 RANKS = (8, 16, 32, 64, 128)
