@@ -18,6 +18,8 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # one thread per xdist worker: oversubscribed OpenMP threads spin-wait
 if not torch.cuda.is_available():  # before anything imports triton: kernels run on its CPU interpreter
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
