@@ -66,7 +66,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from plora_hpo.config import load_sweep
     from plora_hpo.progress import RichPackProgress
     from plora_hpo.report import print_summary
-    from plora_hpo.study import PackedObjective, create_study, default_n_trials
+    from plora_hpo.study import PackedObjective, create_study, default_n_trials, finished_trials
     from plora_hpo.sweep import PackedSweep
     from plora_hpo.tracking import SweepTracker, default_tracking_uri
 
@@ -88,7 +88,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         try:  # the first writes: the stores; undone if either cannot be opened
             run_dir.mkdir(parents=True, exist_ok=True)
             tracker.check_reachable()
-            studies = {task: create_study(config, task, storage) for task in config.tasks}
+            # this process owns the studies: trials left RUNNING by a killed run are retried
+            studies = {task: create_study(config, task, storage, recover_stale=True) for task in config.tasks}
         except BaseException:
             if not run_dir_existed:
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -101,7 +102,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         try:
             for task, study in studies.items():
-                done = sum(t.state.is_finished() for t in study.trials)
+                done = finished_trials(study)
                 remaining = max(0, n_trials - done)
                 progress.add_trials(remaining)
                 objective = PackedObjective(sweep, task)

@@ -46,8 +46,13 @@ def study_name(config: SweepConfig, task: str) -> str:
     return f"{config.name}-{task}"
 
 
-def create_study(config: SweepConfig, task: str, storage: str) -> optuna.Study:
-    """Create (or reopen, to resume) the task's study in ``storage``; enqueue the reference trial."""
+def create_study(config: SweepConfig, task: str, storage: str, *, recover_stale: bool = False) -> optuna.Study:
+    """Create (or reopen, to resume) the task's study in ``storage``; enqueue the reference trial.
+
+    ``recover_stale``: the caller owns the study (the CLI's sweep), so trials still RUNNING were
+    left by a dead process; see :func:`recover_stale_trials`. Leave it off when other live
+    processes may be running trials of the same study.
+    """
     space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
     try:
         study = optuna.create_study(
@@ -65,9 +70,34 @@ def create_study(config: SweepConfig, task: str, storage: str) -> optuna.Study:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study.set_metric_names([task_metric_name(task)])
+    if recover_stale:
+        recover_stale_trials(study)
     if config.sampler != "grid" and space.contains(REFERENCE_PARAMS):
         study.enqueue_trial(REFERENCE_PARAMS, user_attrs={"reference": True}, skip_if_exists=True)
     return study
+
+
+def recover_stale_trials(study: optuna.Study) -> list[int]:
+    """Fail every RUNNING trial and enqueue its params again, so a rerun retrains it.
+
+    After a crash or ``kill -9`` the storage still holds the in-flight trials as RUNNING and
+    nothing would ever finish them. Each one is told FAIL and a WAITING copy (same params and
+    user attrs, plus ``retry_of``) is enqueued; :func:`finished_trials` does not count the
+    failed original, so the rerun still reaches ``n_trials``. Returns the failed trial numbers.
+    """
+    stale = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    for trial in stale:
+        params = trial.system_attrs.get("fixed_params") or trial.params
+        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+        study.enqueue_trial(params, user_attrs={**trial.user_attrs, "retry_of": trial.number}, skip_if_exists=False)
+    return [t.number for t in stale]
+
+
+def finished_trials(study: optuna.Study) -> int:
+    """Finished trials that count towards ``n_trials``: not those retried after a crash."""
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+    return sum(t.state.is_finished() and t.number not in retried for t in trials)
 
 
 def task_metric_name(task: str) -> str:
@@ -93,6 +123,13 @@ def record_outcome(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None
     trial.set_user_attr("metrics", outcome.metrics)
     trial.set_user_attr("tokens_per_second", outcome.tokens_per_second)
     trial.set_user_attr("final_train_loss", outcome.losses[-1] if outcome.losses else None)
+
+
+def record_failure(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None:
+    """Why a trial failed (non-finite loss or gradient), next to its MLflow run."""
+    trial.set_user_attr("fail_reason", outcome.fail_reason)
+    trial.set_user_attr("mlflow_run_id", outcome.run_id)
+    trial.set_user_attr("pack_id", outcome.pack_id)
 
 
 # --- study.optimize -------------------------------------------------------------------------
@@ -190,6 +227,11 @@ class PackedObjective:
         if ticket.error is not None:
             raise ticket.error
         assert ticket.outcome is not None
+        if ticket.outcome.failed:
+            # Returning NaN makes Optuna mark just this trial FAIL (with a warning) and go on;
+            # raising would stop study.optimize(catch=()) and with it the trials still to run.
+            record_failure(trial, ticket.outcome)
+            return float("nan")
         record_outcome(trial, ticket.outcome)
         return ticket.outcome.value
 
@@ -204,7 +246,11 @@ def ask_batch(study: optuna.Study, space: SearchSpace, size: int) -> list[tuple[
 def optimize_in_packs(
     study: optuna.Study, sweep: PackedSweep, task: str, *, n_trials: int, pack_size: int
 ) -> list[TrialOutcome]:
-    """Ask a batch, train it as one pack, tell every result; repeat until ``n_trials`` are done."""
+    """Ask a batch, train it as one pack, tell every result; repeat until ``n_trials`` are done.
+
+    A trial that turned non-finite is told FAIL (``fail_reason`` user attr) and still counts
+    towards ``n_trials``; its outcome is returned with ``failed`` set.
+    """
     config = sweep.config
     space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
     outcomes: list[TrialOutcome] = []
@@ -220,6 +266,10 @@ def optimize_in_packs(
         for (trial, _), outcome in zip(batch, results):
             for step, loss in enumerate(outcome.losses, start=1):
                 trial.report(loss, step)
+            if outcome.failed:  # only this trial fails; the batch and the study go on
+                record_failure(trial, outcome)
+                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                continue
             record_outcome(trial, outcome)
             _tell(study, trial, outcome.value)
         outcomes += results

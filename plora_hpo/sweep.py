@@ -56,14 +56,22 @@ class TrialRequest:
 
 @dataclass
 class TrialOutcome:
+    """One trial's result. A failed trial (``fail_reason`` set) has value NaN, no metrics and no
+    adapter: it left its pack at a non-finite step and was neither evaluated nor exported."""
+
     request: TrialRequest
     value: float
     metrics: dict[str, float]
     losses: list[float]
     run_id: str
-    adapter_dir: Path
+    adapter_dir: Path | None
     pack_id: str
     tokens_per_second: float
+    fail_reason: str | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.fail_reason is not None
 
 
 @dataclass
@@ -271,9 +279,13 @@ class PackedSweep:
             examples = self.tasks[r.task].examples
             trainer.add_job(AdapterJob(r.adapter_id, r.config, examples, self.total_steps(r.task, r.config)))
         losses: dict[str, list[tuple[int, float, float]]] = {r.adapter_id: [] for r in requests}
+        failures: dict[str, str] = {}
         every = self.config.train.report_every
 
         def on_step(report: StepReport) -> bool:
+            if report.failed:  # already out of the pack; the others train on
+                failures[report.adapter_id] = report.fail_reason
+                return False
             losses[report.adapter_id].append((report.step, report.loss, report.lr))
             request = by_id[report.adapter_id]
             if request.on_report is not None and (report.step % every == 0 or trainer.is_done(report.adapter_id)):
@@ -296,7 +308,9 @@ class PackedSweep:
         self.progress.evaluating(pack_id)
         metrics: dict[str, dict[str, float]] = {}
         for task in {r.task for r in requests}:
-            ids = [r.adapter_id for r in requests if r.task == task]
+            ids = [r.adapter_id for r in requests if r.task == task and r.adapter_id not in failures]
+            if not ids:
+                continue
             ev = self.config.evaluation
             metrics.update(
                 evaluate_adapters(
@@ -314,6 +328,9 @@ class PackedSweep:
         outcomes = []
         for r in requests:
             run_id = run_ids[r.adapter_id]
+            if r.adapter_id in failures:
+                outcomes.append(self._record_failure(r, run_id, pack_id, failures[r.adapter_id], losses, stats))
+                continue
             adapter_dir = export_peft_adapter(
                 self.packed, r.adapter_id, self.run_dir / "adapters" / r.adapter_id, self.base.name
             )
@@ -339,8 +356,36 @@ class PackedSweep:
                     tokens_per_second=stats.tokens_per_second,
                 )
             )
-        self.progress.pack_finished(pack_id, outcomes)
+        self.progress.pack_finished(pack_id, sorted(outcomes, key=lambda o: o.failed))  # healthy first
         return outcomes
+
+    def _record_failure(
+        self,
+        request: TrialRequest,
+        run_id: str,
+        pack_id: str,
+        reason: str,
+        losses: dict[str, list[tuple[int, float, float]]],
+        stats: Any,
+    ) -> TrialOutcome:
+        """A trial that left its pack non-finite: its losses so far and the reason, run FAILED."""
+        steps = losses[request.adapter_id]
+        rows = [("train_loss", loss, step) for step, loss, _ in steps]
+        rows += [("learning_rate", lr, step) for step, _, lr in steps]
+        self.tracker.log_metrics(run_id, rows)
+        self.tracker.set_tags(run_id, {"plora.fail_reason": reason, "plora.pack_size": str(len(losses))})
+        self.tracker.end_trial(run_id, "FAILED")
+        return TrialOutcome(
+            request=request,
+            value=math.nan,
+            metrics={},
+            losses=[loss for _, loss, _ in steps],
+            run_id=run_id,
+            adapter_dir=None,
+            pack_id=pack_id,
+            tokens_per_second=stats.tokens_per_second,
+            fail_reason=reason,
+        )
 
 
 def _metric_key(lm_eval_key: str) -> str:

@@ -9,7 +9,8 @@ get if it trained alone. Adapters may join (:meth:`PackedTrainer.add_job`) and l
 Speed knobs (all keep that contract; see the constructor): packed adapter storage with one
 bf16 cast per layer call, micro-batching with length bucketing, padding-free (varlen) packing,
 activation checkpointing, fused RMSNorm/SwiGLU, and a loss that keeps one chunk of logits alive.
-A step reads nothing back from the GPU until its losses, once, at the end.
+A step reads nothing back from the GPU until its losses and gradient norms, once, just before
+the update (an adapter whose loss or gradient is non-finite leaves the pack there, unupdated).
 """
 
 from __future__ import annotations
@@ -73,6 +74,11 @@ class StepReport:
     loss: float
     lr: float
     tokens: int
+    fail_reason: str | None = None  # set when this step's loss or gradient was non-finite
+
+    @property
+    def failed(self) -> bool:
+        return self.fail_reason is not None
 
 
 @dataclass
@@ -212,9 +218,19 @@ class PackedTrainer:
 
     def remove_job(self, adapter_id: str) -> None:
         """Stop training an adapter (finished, pruned or failed); its weights stay in the model."""
-        assert self.optimizer is not None
         if adapter_id in self.packed.packed_ids:
             self.packed.unpack()  # repacked without it at the next step
+        self._drop_group(adapter_id)
+        del self.jobs[adapter_id]
+        del self.streams[adapter_id]
+
+    def _drop_group(self, adapter_id: str) -> None:
+        """Take an adapter out of the optimizer (its group, state and grads), nothing else.
+
+        Mid-step (a non-finite adapter) this must not unpack: unpacking drops every adapter's
+        accumulated gradients, and the healthy ones still need theirs for this step's update.
+        """
+        assert self.optimizer is not None
         groups = self.optimizer.param_groups
         for group in [g for g in groups if g["adapter_id"] == adapter_id]:
             for p in group["params"]:
@@ -222,8 +238,6 @@ class PackedTrainer:
                 p.requires_grad_(False)
                 p.grad = None
             del groups[next(i for i, g in enumerate(groups) if g is group)]
-        del self.jobs[adapter_id]
-        del self.streams[adapter_id]
 
     @property
     def active(self) -> list[str]:
@@ -288,7 +302,7 @@ class PackedTrainer:
         for mb in micro_batches:
             losses += self._forward_backward(mb, normalizers)
 
-        lrs = {}
+        lrs, norms = {}, []
         for group in self.optimizer.param_groups:
             adapter_id = group["adapter_id"]
             job = self.jobs[adapter_id]
@@ -300,25 +314,46 @@ class PackedTrainer:
             )
             group["lr"] = job.config.learning_rate * factor
             lrs[adapter_id] = group["lr"]
+            params = [p for p in group["params"] if p.grad is not None]
             if self.settings.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(group["params"], self.settings.max_grad_norm, foreach=True)
-        self.optimizer.step()
+                norm = torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm, foreach=True)
+            else:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+            norms.append(norm.reshape(()).to(device=self.device, dtype=torch.float32))
+        # The step's one device→host read, before the update: a non-finite adapter must leave
+        # the pack before optimizer.step() touches its weights or AdamW state.
+        grad_norms = dict(zip([g["adapter_id"] for g in self.optimizer.param_groups], norms))
+        checks = torch.stack([losses, torch.stack([grad_norms[a] for a in ids])]).tolist()
+        values, norm_values = checks
+        failures = {
+            a: _fail_reason(a, values[g], norm_values[g])
+            for g, a in enumerate(ids)
+            if not (math.isfinite(values[g]) and math.isfinite(norm_values[g]))
+        }
+        for adapter_id in failures:
+            self._drop_group(adapter_id)
+        if self.optimizer.param_groups:
+            self.optimizer.step()
         if self.packed.packed_ids:
             self.packed.zero_packed_grads()  # in place: the parameters' grads are views of these
         else:
             self.optimizer.zero_grad(set_to_none=True)
+        for adapter_id in failures:
+            self.remove_job(adapter_id)
 
-        values = losses.tolist()  # the step's one device→host read
         reports = []
         for g, adapter_id in enumerate(ids):
-            self.steps_done[adapter_id] += 1
+            step = self.steps_done[adapter_id] + 1
+            if adapter_id not in failures:  # a failed step was never applied
+                self.steps_done[adapter_id] = step
             reports.append(
                 StepReport(
                     adapter_id=adapter_id,
-                    step=self.steps_done[adapter_id],
+                    step=step,
                     loss=values[g],
                     lr=lrs[adapter_id],
                     tokens=sum(mb.tokens_per_group[g] for mb in micro_batches),
+                    fail_reason=failures.get(adapter_id),
                 )
             )
         if self.device.type == "cuda":
@@ -341,10 +376,21 @@ class PackedTrainer:
 
     # --- a whole pack -----------------------------------------------------------------
     def run(self, on_step: Callable[[StepReport], bool] | None = None) -> PackStats:
-        """Step until every adapter has finished; ``on_step`` returning False removes that adapter."""
+        """Step until every adapter has finished; ``on_step`` returning False removes that adapter.
+
+        An adapter whose loss or gradient norm turns non-finite is removed inside :meth:`step`
+        (before the update); its report carries ``fail_reason`` and the others go on untouched.
+        """
         while self.jobs:
             for report in self.step():
                 keep = on_step(report) if on_step is not None else True
+                if report.failed:  # already out of the pack (see step)
+                    continue
                 if keep is False or self.is_done(report.adapter_id):
                     self.remove_job(report.adapter_id)
         return self.stats
+
+
+def _fail_reason(adapter_id: str, loss: float, grad_norm: float) -> str:
+    what = f"loss {loss}" if not math.isfinite(loss) else f"gradient norm {grad_norm}"
+    return f"{adapter_id}: non-finite {what}; the adapter left its pack before the update"
