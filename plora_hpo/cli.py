@@ -125,14 +125,19 @@ def run_results(args: argparse.Namespace) -> int:
     from plora_hpo.study import study_name
 
     config = load_sweep(args.file)
+    if args.storage is None and not (args.run_dir / "optuna.db").is_file():
+        raise PloraError(
+            f"no studies in {args.run_dir} (no optuna.db); run `plora-hpo sweep {args.file}` first or pass --storage"
+        )
     storage = args.storage or default_storage(args.run_dir)
     studies = {}
     for task in config.tasks:
         try:
             studies[task] = optuna.load_study(study_name=study_name(config, task), storage=storage)
-        except KeyError:
+        except Exception as err:  # KeyError for a missing study, SQLAlchemy errors for a bad URL
             raise PloraError(
-                f"no study {study_name(config, task)!r} in {storage}; run `plora-hpo sweep {args.file}` first"
+                f"cannot load study {study_name(config, task)!r} from {storage} ({type(err).__name__}); "
+                f"run `plora-hpo sweep {args.file}` first or pass the right --storage"
             ) from None
     print_summary(studies, storage=storage, top=args.top)
     return 0

@@ -256,3 +256,14 @@ def test_study_optimize_packs_concurrent_trials_of_model_based_samplers(tmp_path
     assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 2
     assert len({t.user_attrs["pack_id"] for t in trials}) == 1
     assert all(1e-5 <= t.params["learning_rate"] <= 5e-4 and sorted(t.intermediate_values) == [1, 2] for t in trials)
+
+
+def test_results_command_prints_the_study_or_one_error(finished_sweep, tmp_path, capsys):
+    sweep_file, run_dir, study = finished_sweep
+    assert main(["results", str(sweep_file), "--run-dir", str(run_dir), "--top", "2"]) == 0
+    out = capsys.readouterr().out
+    best = max(study.trials, key=lambda t: t.value)
+    assert "e2e-synthetic: 4 complete trials" in out and f"{best.value:.4f}" in out
+    assert main(["results", str(sweep_file), "--run-dir", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.startswith("error: no studies in")
+    assert not (tmp_path / "none").exists()
