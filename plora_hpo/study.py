@@ -171,27 +171,31 @@ class _PackGatherer:
                 break
         return batch
 
+    @staticmethod
+    def _finish(tickets: list[_Ticket], error: BaseException | None = None) -> None:
+        for ticket in tickets:
+            ticket.error = error
+            ticket.reports.put(_DONE)
+
     def _serve(self) -> None:
         while True:
             gathered = self._gather()
             by_request = {id(t.request): t for t in gathered}
             try:
                 packs = self.sweep.split_into_packs([t.request for t in gathered])
-            except BaseException as err:
-                packs, failed = [], err
-                for ticket in gathered:
-                    ticket.error = failed
-                    ticket.reports.put(_DONE)
+            except BaseException as err:  # delivered to every waiting trial
+                self._finish(gathered, err)
+                continue
             for pack in packs:
                 tickets = [by_request[id(r)] for r in pack]
                 try:
-                    for ticket, outcome in zip(tickets, self.sweep.run_pack(pack)):
-                        ticket.outcome = outcome
+                    outcomes = self.sweep.run_pack(pack)
                 except BaseException as err:  # delivered to every waiting trial of the pack
-                    for ticket in tickets:
-                        ticket.error = err
-                for ticket in tickets:
-                    ticket.reports.put(_DONE)
+                    self._finish(tickets, err)
+                    continue
+                for ticket, outcome in zip(tickets, outcomes):
+                    ticket.outcome = outcome
+                self._finish(tickets)
 
 
 class PackedObjective:
