@@ -44,19 +44,11 @@ from plora_hpo.config import load_sweep  # noqa: E402
 from plora_hpo.planner import Calibration, CostModel, GpuSpec, plan_packs, steps_for_epochs  # noqa: E402
 from plora_hpo.planner.calibrate import Observation, fit_calibration  # noqa: E402
 from plora_hpo.planner.cli import TRAIN_EXAMPLES  # noqa: E402
+from plora_hpo.planner.reference import PEFT_H200_REFERENCE  # noqa: E402
 from plora_hpo.shapes import TARGET_MODULES, shape_by_name  # noqa: E402
 from plora_hpo.space import SearchSpace  # noqa: E402
 
 GIB = 2**30
-H200_REFERENCE = [  # DESIGN.md §6: (model, batch, tokens/s, peak GiB); r 16, seq 512, full logits
-    ("qwen2.5-0.5b", 4, 15.6e3, 8.9),
-    ("qwen2.5-0.5b", 32, 53.2e3, 63.5),
-    ("qwen2.5-1.5b", 1, 3.2e3, 6.2),
-    ("qwen2.5-1.5b", 4, 11.7e3, 15.1),
-    ("qwen2.5-1.5b", 16, 25.5e3, 50.7),
-    ("qwen2.5-7b", 4, 9.1e3, 36.0),
-    ("qwen2.5-7b", 8, 9.6e3, 57.2),
-]
 THROUGHPUT_RESULTS = ROOT / "benchmarks" / "results" / "throughput-h200.json"
 
 
@@ -143,7 +135,7 @@ def cli_row() -> dict:
 def reference_observations() -> list[tuple[str, Observation]]:
     return [
         (model, Observation((16,), (batch,), 512, TARGET_MODULES, batch * 512 / tps, gib * GIB, 1, 2, False, None))
-        for model, batch, tps, gib in H200_REFERENCE
+        for model, batch, tps, gib in PEFT_H200_REFERENCE
     ]
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.planner.cost_model import GIB, CostModel, GpuSpec, Workload
+from plora_hpo.planner.reference import PEFT_H200_REFERENCE
 from plora_hpo.shapes import shape_by_name
 from tests.planner._configs import config
 
@@ -55,16 +56,7 @@ def test_multi_gpu_adds_communication():
     assert cm.step_terms([config()], degree=2).comm > 0
 
 
-# (model, batch, measured tokens/s, measured peak GiB): DESIGN.md §6, eager PEFT, full logits.
-REFERENCE = [
-    ("qwen2.5-0.5b", 4, 15.6e3, 8.9),
-    ("qwen2.5-0.5b", 32, 53.2e3, 63.5),
-    ("qwen2.5-1.5b", 1, 3.2e3, 6.2),
-    ("qwen2.5-1.5b", 4, 11.7e3, 15.1),
-    ("qwen2.5-1.5b", 16, 25.5e3, 50.7),
-    ("qwen2.5-7b", 4, 9.1e3, 36.0),
-    ("qwen2.5-7b", 8, 9.6e3, 57.2),
-]
+REFERENCE = PEFT_H200_REFERENCE  # DESIGN.md §6
 
 
 @pytest.mark.parametrize(("name", "batch", "tokens_per_s", "peak_gib"), REFERENCE)
