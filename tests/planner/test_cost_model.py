@@ -56,10 +56,9 @@ def test_multi_gpu_adds_communication():
     assert cm.step_terms([config()], degree=2).comm > 0
 
 
-REFERENCE = PEFT_H200_REFERENCE  # DESIGN.md §6
 
 
-@pytest.mark.parametrize(("name", "batch", "tokens_per_s", "peak_gib"), REFERENCE)
+@pytest.mark.parametrize(("name", "batch", "tokens_per_s", "peak_gib"), PEFT_H200_REFERENCE)
 def test_prior_matches_h200_reference(name, batch, tokens_per_s, peak_gib):
     cm = model(name, logits_chunk_tokens=None)
     configs = [config(rank=16, batch=batch)]
