@@ -65,9 +65,10 @@ class SweepTracker:
         found = self.client.get_experiment_by_name(self.experiment)
         if found is not None:
             return found.experiment_id
-        location = None
-        if self.artifact_root is not None:
-            location = (self.artifact_root / "mlartifacts").resolve().as_uri()
+        root = self.artifact_root
+        if root is None and self.tracking_uri.startswith("sqlite:///"):
+            root = Path(self.tracking_uri.removeprefix("sqlite:///")).parent  # beside the store, not in cwd
+        location = None if root is None else (root / "mlartifacts").resolve().as_uri()
         return self.client.create_experiment(self.experiment, artifact_location=location)
 
     def start(self, sweep_name: str, params: dict[str, Any], tags: dict[str, str] | None = None) -> str:
