@@ -47,7 +47,11 @@ def study_name(config: SweepConfig, task: str) -> str:
 
 
 def create_study(config: SweepConfig, task: str, storage: str, *, recover_stale: bool = False) -> optuna.Study:
-    """Create (or reopen, to resume) the task's study in ``storage``; enqueue the reference trial.
+    """Create (or reopen, to resume) the task's study in ``storage``.
+
+    The reference trial (:data:`REFERENCE_PARAMS`) is not enqueued: Optuna 5.0 on sqlite can hand
+    one waiting trial to two ``study.optimize`` threads at once, and packs run with ``n_jobs > 1``.
+    Grids that contain it (demo, paper120) train it anyway; the summary compares against it.
 
     ``recover_stale``: the caller owns the study (the CLI's sweep), so trials still RUNNING were
     left by a dead process; see :func:`recover_stale_trials`. Leave it off when other live
@@ -72,8 +76,6 @@ def create_study(config: SweepConfig, task: str, storage: str, *, recover_stale:
         study.set_metric_names([task_metric_name(task)])
     if recover_stale:
         recover_stale_trials(study)
-    if config.sampler != "grid" and space.contains(REFERENCE_PARAMS):
-        study.enqueue_trial(REFERENCE_PARAMS, user_attrs={"reference": True}, skip_if_exists=True)
     return study
 
 

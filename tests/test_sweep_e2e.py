@@ -224,8 +224,7 @@ def test_malformed_yaml_says_where(tmp_path):
 def test_study_optimize_packs_concurrent_trials_of_model_based_samplers(tmp_path, sampler):
     """study.optimize with n_jobs=2: TPE trials proposed concurrently train as one pack.
 
-    GP is left out: Optuna 5.0 on sqlite sometimes hands the enqueued reference trial to both
-    threads at once (seen with GPSampler), which no objective can repair.
+    GP is covered by the sampler tests in test_space.py (it proposes inside this space too).
     """
     from plora_hpo import PackedObjective, PackedSweep, SweepTracker, create_study, load_sweep
 
