@@ -334,8 +334,7 @@ class PackedSweep:
             adapter_dir = export_peft_adapter(
                 self.packed, r.adapter_id, self.run_dir / "adapters" / r.adapter_id, self.base.name
             )
-            rows = [("train_loss", loss, step) for step, loss, _ in losses[r.adapter_id]]
-            rows += [("learning_rate", lr, step) for step, _, lr in losses[r.adapter_id]]
+            rows = _curve_rows(losses[r.adapter_id])
             rows += [(_metric_key(k), v, 0) for k, v in metrics[r.adapter_id].items()]
             rows.append(("pack_tokens_per_second", stats.tokens_per_second, 0))
             rows.append(("pack_peak_memory_gib", stats.peak_memory_bytes / 2**30, 0))
@@ -369,23 +368,27 @@ class PackedSweep:
         stats: Any,
     ) -> TrialOutcome:
         """A trial that left its pack non-finite: its losses so far and the reason, run FAILED."""
-        steps = losses[request.adapter_id]
-        rows = [("train_loss", loss, step) for step, loss, _ in steps]
-        rows += [("learning_rate", lr, step) for step, _, lr in steps]
-        self.tracker.log_metrics(run_id, rows)
+        self.tracker.log_metrics(run_id, _curve_rows(losses[request.adapter_id]))
         self.tracker.set_tags(run_id, {"plora.fail_reason": reason, "plora.pack_size": str(len(losses))})
         self.tracker.end_trial(run_id, "FAILED")
         return TrialOutcome(
             request=request,
             value=math.nan,
             metrics={},
-            losses=[loss for _, loss, _ in steps],
+            losses=[loss for _, loss, _ in losses[request.adapter_id]],
             run_id=run_id,
             adapter_dir=None,
             pack_id=pack_id,
             tokens_per_second=stats.tokens_per_second,
             fail_reason=reason,
         )
+
+
+def _curve_rows(steps: list[tuple[int, float, float]]) -> list[tuple[str, float, int]]:
+    """MLflow rows of one adapter's per-step (step, loss, lr) records."""
+    return [("train_loss", loss, step) for step, loss, _ in steps] + [
+        ("learning_rate", lr, step) for step, _, lr in steps
+    ]
 
 
 def _metric_key(lm_eval_key: str) -> str:

@@ -109,9 +109,6 @@ class SweepTracker:
         """The PEFT adapter directory becomes the run's ``adapter/`` artifact."""
         self.client.log_artifacts(run_id, str(adapter_dir), artifact_path="adapter")
 
-    def log_figure_file(self, run_id: str, path: Path) -> None:
-        self.client.log_artifact(run_id, str(path))
-
     def end_trial(self, run_id: str, status: str = "FINISHED") -> None:
         self.client.set_terminated(run_id, status=status)
 
