@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -206,7 +207,8 @@ def record_observation(
         "calibration": calibration.to_dict(),
         "observations": [asdict(o) for o in observations],
     }
-    tmp = path.with_suffix(".tmp")
+    # a per-process temp name: sweeps (or test workers) may record the same (model, GPU) at once
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     tmp.write_text(json.dumps(payload, indent=1))
     tmp.replace(path)
     return calibration
