@@ -19,21 +19,32 @@ Workloads, on a random-init model at a real shape (default ``random:qwen2.5-1.5b
 
 ``batched`` is this repository's evaluator (``generate_greedy`` with continuous batching;
 ``score_continuations``) serving every adapter at once. ``sequential`` is what lm-eval's HF model
-does per adapter with PEFT: ``PeftModel`` + ``model.generate`` on left-padded batches of
-``--seq-gen-batch`` prompts, and full-logit forwards of ``--seq-ll-batch`` right-padded
-contexts followed by a full-vocabulary log-softmax (HFLM's ``_loglikelihood_tokens``, with its
-one-token-continuation cache so each context runs once). lm-eval itself is not imported: the GPU
-image does not have it, and these are the model-level paths lm-eval drives.
+(``HFLM`` with ``peft=...``, unmerged adapter) does per adapter: ``PeftModel`` + ``model.generate``
+on left-padded batches of ``--seq-gen-batch`` prompts (default 16: all of an adapter's prompts in
+one call, so a larger ``batch_size`` would change nothing), and full-logit forwards of
+``--seq-ll-batch`` right-padded contexts followed by a full-vocabulary log-softmax in the logits'
+dtype (HFLM's ``_loglikelihood_tokens``, with its one-token-continuation cache so each context runs
+once; default 64 = what ``batch_size=auto`` picks for these short contexts: its ``max_batch_size``).
+``sequential-batch1`` is the same at lm-eval's default ``batch_size=1``. lm-eval itself is not
+imported: the GPU image does not have it, and these are the model-level paths lm-eval drives;
+HFLM's own per-request Python (collation, stop-sequence checks every step) is left out, and on
+CUDA both sides attend with SDPA's flash / memory-efficient kernels (cuDNN, PyTorch's default
+here, spent ~1.8 ms of host time per attention call on new key lengths in a profile, and a cold
+sequential run with it took twice as long as later ones), which only makes the sequential side
+faster.
 
-Sequential time is measured on ``--seq-sample`` adapters and extrapolated linearly to all of
-them (every adapter does identical work); the JSON says so in each row. Loading models and
-adapters is not timed on either side. The same adapters' outputs are compared between the two
-paths (bf16 on GPU: near-ties may flip a greedy token; on CPU fp32 they must agree).
+Sequential time is measured on ``--seq-sample`` adapters after one untimed full-size run of
+another adapter (allocator and kernel warm-up; its time is reported as ``warmup_seconds``), and
+extrapolated linearly to all of them (every adapter does identical work); the JSON says so in
+each row. Loading models and adapters is not timed on either side. The same adapters' outputs are
+compared between the two paths (bf16 on GPU: near-ties may flip a greedy token; on CPU fp32 they
+must agree).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -47,6 +58,7 @@ from pathlib import Path
 
 import _bootstrap  # noqa: F401  (makes plora_hpo importable from a bare checkout)
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.engine import PackedLoraModel, export_peft_adapter
@@ -72,14 +84,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ll-len", default="50,110", help="min,max context tokens")
     p.add_argument("--ll-batch", type=int, default=512, help="batched: rows per forward")
     p.add_argument("--seq-gen-batch", type=int, default=16, help="sequential: prompts per generate()")
-    p.add_argument("--seq-ll-batch", type=int, default=32, help="sequential: contexts per forward")
-    p.add_argument("--seq-sample", type=int, default=4, help="sequential: adapters timed (then extrapolated)")
+    p.add_argument("--seq-ll-batch", type=int, default=64, help="sequential: contexts per forward (auto: 64)")
+    p.add_argument("--seq-sample", type=int, default=3, help="sequential: adapters timed (then extrapolated)")
     p.add_argument(
         "--batch1-sample",
         type=int,
-        default=2,
+        default=1,
         help="lm-eval's default batch size 1: prompts (generate) / 32× contexts (loglikelihood) timed on one adapter",
     )
+    p.add_argument("--profile", action="store_true", help="also write torch.profiler tables beside the JSON")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes on CPU; asserts batched == sequential")
@@ -89,7 +102,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.adapters, args.gen_prompts, args.new_tokens = 4, 3, 12
         args.prompt_len, args.ll_contexts, args.ll_len = "20,40", 10, "8,20"
         args.gen_batch, args.ll_batch, args.prefill_tokens = 8, 16, 512
-        args.seq_gen_batch, args.seq_ll_batch, args.seq_sample, args.batch1_sample = 3, 4, 2, 1
+        args.seq_gen_batch, args.seq_ll_batch, args.seq_sample, args.batch1_sample = 3, 4, 1, 1
     if args.out is None:
         args.out = Path(os.environ.get("OUT", ".")) / ("eval-smoke.json" if args.smoke else "eval-h200.json")
     return args
@@ -181,9 +194,26 @@ def batched_loglikelihood(packed, adapters, contexts, choices, args) -> tuple[fl
     return time.perf_counter() - start, scores, stats
 
 
+def same_attention_kernels(device: str):
+    """SDPA's flash / memory-efficient kernels, as the batched evaluator uses on CUDA (no cuDNN).
+
+    With cuDNN, attention calls on new (batch, key length) shapes cost ~1.8 ms of host time each
+    in a profile, and the first full-size sequential run took twice as long as later ones;
+    excluding it can only make the sequential side faster, and both sides run the same kernels.
+    """
+    if not device.startswith("cuda"):
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 @torch.no_grad()
 def sequential_generate(peft_model, prompts, args) -> tuple[float, list[list[int]]]:
     """HFLM.generate_until per adapter: left-padded batches, ``model.generate`` greedy with a KV cache."""
+    with same_attention_kernels(args.device):
+        return _sequential_generate(peft_model, prompts, args)
+
+
+def _sequential_generate(peft_model, prompts, args) -> tuple[float, list[list[int]]]:
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     outputs: list[list[int]] = [None] * len(prompts)
     sync(args.device)
@@ -214,6 +244,11 @@ def sequential_generate(peft_model, prompts, args) -> tuple[float, list[list[int
 @torch.no_grad()
 def sequential_loglikelihood(peft_model, contexts, choices, args) -> tuple[float, list[tuple[float, bool]]]:
     """HFLM._loglikelihood_tokens per adapter: full logits, full-vocabulary log-softmax, gather."""
+    with same_attention_kernels(args.device):
+        return _sequential_loglikelihood(peft_model, contexts, choices, args)
+
+
+def _sequential_loglikelihood(peft_model, contexts, choices, args) -> tuple[float, list[tuple[float, bool]]]:
     order = sorted(range(len(contexts)), key=lambda i: -len(contexts[i]))
     results: list[tuple[float, bool]] = [None] * (len(contexts) * len(choices))
     sync(args.device)
@@ -288,13 +323,24 @@ def agreement(batched: list[list[int]], sequential: list[list[int]]) -> dict:
 
 
 def warm_up(packed, adapters, peft_model, args, rng) -> None:
-    """Compile/launch paths once on both sides (Triton autotuning, cuBLAS handles)."""
-    small = argparse.Namespace(**{**vars(args), "new_tokens": 4, "gen_batch": 4, "seq_gen_batch": 2})
+    """Compile/launch paths once on both sides (Triton kernels for every rank mix, cuBLAS handles)."""
+    small = argparse.Namespace(**{**vars(args), "new_tokens": 4, "seq_gen_batch": 2})
     prompts = random_prompts(2, "16,24", vocab_of(packed), rng)
-    batched_generate(packed, adapters[:2], prompts, small)
-    batched_loglikelihood(packed, adapters[:2], prompts, (1, 2), small)
+    batched_generate(packed, adapters, prompts, small)
+    batched_loglikelihood(packed, adapters, prompts, (1, 2), small)
     sequential_generate(peft_model, prompts, small)
     sequential_loglikelihood(peft_model, prompts, (1, 2), small)
+
+
+class _Rows(list):
+    """The result rows; each one is printed as it lands (a run cut short still shows what it measured)."""
+
+    def append(self, row: dict) -> None:
+        super().append(row)
+        extra = {k: row[k] for k in ("measured_seconds_per_adapter", "warmup_seconds") if k in row}
+        stats = row.get("stats", {})
+        extra |= {k: round(v, 3) for k, v in stats.items() if k.endswith("seconds")}
+        print(f"{row['workload']} {row['mode']}: {row['seconds']:.2f} s {extra}", flush=True)
 
 
 def vocab_of(packed: PackedLoraModel) -> int:
@@ -317,22 +363,24 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = random_prompts(args.gen_prompts, args.prompt_len, vocab, rng)
     contexts = random_prompts(args.ll_contexts, args.ll_len, vocab, rng)
     choices = (rng.randrange(10, vocab), rng.randrange(10, vocab))  # " no", " yes"
-    sample = adapters[:: max(1, len(adapters) // args.seq_sample)][: args.seq_sample]
+    # One adapter warms the sequential path up at full size (untimed); the next ones are timed.
+    picked = adapters[:: max(1, len(adapters) // (args.seq_sample + 1))][: args.seq_sample + 1]
+    warm, sample = picked[0], picked[1:]
 
     # The sequential side: a second copy of the same base under PEFT, one adapter active at a time.
     peft_base, _ = load_base(args.model, args.device, args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="plora-eval-bench-"))
     peft_model = None
-    for adapter_id in sample:
+    for adapter_id in picked:
         path = export_peft_adapter(packed, adapter_id, tmp / adapter_id, name)
         if peft_model is None:
             peft_model = PeftModel.from_pretrained(peft_base, path, adapter_name=adapter_id).eval()
         else:
             peft_model.load_adapter(path, adapter_name=adapter_id)
-    peft_model.set_adapter(sample[0])
+    peft_model.set_adapter(warm)
     warm_up(packed, adapters, peft_model, args, rng)
 
-    rows = []
+    rows = _Rows()
     # (i) generation
     gen_seconds, gen_out, gen_stats = batched_generate(packed, adapters, prompts, args)
     new_tokens = len(adapters) * len(prompts) * args.new_tokens
@@ -350,6 +398,8 @@ def main(argv: list[str] | None = None) -> dict:
             "stats": vars(gen_stats),
         }
     )
+    peft_model.set_adapter(warm)
+    gen_warmup, _ = sequential_generate(peft_model, prompts, args)
     seq_times, gen_agree = [], []
     for adapter_id in sample:
         peft_model.set_adapter(adapter_id)
@@ -368,8 +418,11 @@ def main(argv: list[str] | None = None) -> dict:
             "new_tokens_per_s": new_tokens / seq_gen,
             "measured_adapters": len(sample),
             "measured_seconds_per_adapter": seq_times,
+            "warmup_adapter": warm,
+            "warmup_seconds": gen_warmup,
             "extrapolated": len(sample) < len(adapters),
             "extrapolation": f"mean of {len(sample)} measured adapters × {len(adapters)}",
+            "batch": args.seq_gen_batch,
             "agreement_with_batched": gen_agree,
         }
     )
@@ -415,6 +468,8 @@ def main(argv: list[str] | None = None) -> dict:
             "stats": vars(ll_stats),
         }
     )
+    peft_model.set_adapter(warm)
+    ll_warmup, _ = sequential_loglikelihood(peft_model, contexts, choices, args)
     seq_times, ll_diff, ll_greedy_same = [], [], []
     for adapter_id in sample:
         peft_model.set_adapter(adapter_id)
@@ -435,8 +490,11 @@ def main(argv: list[str] | None = None) -> dict:
             "requests_per_s": n_requests / seq_ll,
             "measured_adapters": len(sample),
             "measured_seconds_per_adapter": seq_times,
+            "warmup_adapter": warm,
+            "warmup_seconds": ll_warmup,
             "extrapolated": len(sample) < len(adapters),
             "extrapolation": f"mean of {len(sample)} measured adapters × {len(adapters)}",
+            "batch": args.seq_ll_batch,
             "max_abs_logprob_diff_vs_batched": ll_diff,
             "greedy_flag_agreement_vs_batched": ll_greedy_same,
         }
@@ -477,10 +535,19 @@ def main(argv: list[str] | None = None) -> dict:
         "notes": [
             "random token ids stand in for GSM8K/MRPC prompts (lengths match); no stop sequences, "
             "every sequence generates exactly new_tokens tokens on both sides",
-            "sequential = PEFT + transformers generate()/forward per adapter, as lm-eval's HF model runs them; "
-            "lm-eval itself is not imported",
+            "sequential = PEFT (unmerged, as HFLM peft=... loads it) + transformers generate()/forward per "
+            "adapter, as lm-eval's HF model runs them; lm-eval itself is not imported, so HFLM's per-request "
+            "Python and per-step stop-sequence checks are not counted on the sequential side",
+            "attention on CUDA: SDPA flash / memory-efficient kernels on both sides (cuDNN excluded: ~1.8 ms host "
+            "per call on new key lengths in a profile; a cold sequential run with it took 2x a warm one); this can "
+            "only speed the sequential side up",
+            f"sequential batches: seq_gen_batch={args.seq_gen_batch} prompts per generate() (all of an adapter's "
+            f"prompts), seq_ll_batch={args.seq_ll_batch} contexts per forward (HFLM batch_size=auto caps at "
+            "max_batch_size=64); sequential-batch1 = HFLM's default batch_size=1",
             "sequential seconds are extrapolated from the measured adapters to all adapters (linear: "
-            "every adapter does identical work); model and adapter loading is not timed on either side",
+            "every adapter does identical work), measured after one untimed full-size warm-up adapter "
+            "(warmup_seconds); model and adapter loading is not timed on either side; the batched side is "
+            "timed on its first full-size run",
         ],
         "rows": rows,
         "summary": {
@@ -488,9 +555,12 @@ def main(argv: list[str] | None = None) -> dict:
             f"speedup_loglikelihood_{k}": seq_ll / ll_seconds,
             f"speedup_generate_{k}_vs_batch1": seq_gen_b1 / gen_seconds,
             f"speedup_loglikelihood_{k}_vs_batch1": seq_ll_b1 / ll_seconds,
-            "baseline": "speedup_* against sequential per-adapter runs batched as given in settings "
+            "baseline": "speedup_* against sequential per-adapter HF+PEFT runs batched as given in settings "
             "(seq_gen_batch prompts per generate(), seq_ll_batch contexts per forward); *_vs_batch1 against "
             "lm-eval's default batch_size=1",
+            "same_work": "same prompts/contexts, same adapters' weights, exactly new_tokens greedy tokens per "
+            "sequence on both sides (no stop sequences, EOS ignored); one row per context for one-token "
+            "continuations on both sides",
         },
         "lm_eval_imported": "lm_eval" in sys.modules,
         "wall_seconds": time.perf_counter() - started,
@@ -502,7 +572,54 @@ def main(argv: list[str] | None = None) -> dict:
         assert all(g["identical"] == g["sequences"] for g in gen_agree), gen_agree
         assert max(ll_diff) < 1e-4, ll_diff
     print_table(result)
+    if args.profile:
+        try:
+            profile(packed, adapters, prompts, contexts, choices, args)
+        except Exception as err:  # diagnostics only: never lose the measured JSON over them
+            print(f"profiling failed: {err!r}")
     return result
+
+
+def profile(packed, adapters, prompts, contexts, choices, args) -> None:
+    """torch.profiler tables of a few full-batch decode steps and one loglikelihood forward."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from plora_hpo.evaluation import generation
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+    decode = torch_profile(activities=activities)
+    original = generation._Engine._decode_step
+    steps: list[float] = []
+
+    def traced(engine) -> None:  # the profiler starts at the first decode step, after the prefill
+        if not steps:
+            decode.__enter__()
+        started = time.perf_counter()
+        original(engine)
+        steps.append(time.perf_counter() - started)
+
+    short = argparse.Namespace(**{**vars(args), "new_tokens": 6})
+    generation._Engine._decode_step = traced
+    try:
+        batched_generate(packed, adapters, prompts, short)
+    finally:
+        generation._Engine._decode_step = original
+        decode.__exit__(None, None, None)
+    per_adapter = max(1, args.ll_batch // len(adapters))
+    scoring = torch_profile(activities=activities)
+    with scoring:
+        batched_loglikelihood(packed, adapters, contexts[:per_adapter], choices, args)
+        sync(args.device)
+    sort = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+    lines = [f"decode steps (rows {len(adapters) * len(prompts)}), host seconds each: {steps}"]
+    lines.append(decode.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70))
+    lines.append(decode.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=70))
+    lines.append(f"loglikelihood: one forward of {per_adapter * len(adapters)} rows")
+    lines.append(scoring.key_averages().table(sort_by=sort, row_limit=45, max_name_column_width=70))
+    path = args.out.parent / "eval-profile.txt"
+    path.write_text("\n\n".join(lines))
+    print(f"profile: {path}; decode step host seconds {[round(x, 4) for x in steps]}")
 
 
 def print_table(result: dict) -> None:

@@ -14,10 +14,14 @@ forward + backward (grads to x, A, B) of
 * ``grouped``: the same through ``torch._grouped_mm`` when this PyTorch has it;
 * ``ours``: ``packed_lora_triton`` on concatenated A/B; ``ours_cat`` adds the per-step
   ``torch.cat`` of per-adapter weights the engine does; ``ours_f32w`` (K = 32 only) uses fp32
-  master weights, as PEFT keeps them.
+  master weights, as PEFT keeps them; also at K = 32 only: ``ours_op`` goes through the torch
+  custom op (what torch.compile sees) instead of the eager autograd.Function,
+  ``ours_unfused_dx`` launches dx apart from dA, ``ours_per_rank`` launches per rank tile.
 
 Bandwidth: fewest bytes fwd+bwd must move (x read twice, y written, dy read, dx written, weights
 and their grads) over our time, against a device-to-device copy measured in the same run.
+``roofline_ms`` is that byte count at the copy rate: no implementation that moves those bytes
+can be faster, so ``loop_ms / roofline_ms`` caps the speedup over the loop.
 ``--sweep`` also times each kernel phase under candidate tile configurations. ``--tiny`` runs
 a few small shapes (on CPU under TRITON_INTERPRET=1) to check the script itself.
 """
@@ -35,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+import _bootstrap  # noqa: F401  (makes plora_hpo importable from a bare checkout)
 import torch
 
 SHAPES = {  # name: (d_in, d_out)
@@ -123,17 +128,14 @@ class Problem:
 
 
 def methods(p: Problem) -> dict[str, Callable[[], object]]:
-    from plora_hpo.kernels import packed_lora_reference
-    from plora_hpo.kernels.triton_lora import packed_lora_triton
+    from plora_hpo.kernels import _tuning, packed_lora_reference
+    from plora_hpo.kernels.triton_lora import packed_lora_op, packed_lora_triton
 
     def fwd_bwd(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], object]:
         return lambda: torch.autograd.grad(forward(), leaves, p.dy)
 
     def loop() -> torch.Tensor:
-        outs = [
-            ((xk @ a.t()) * s) @ b.t()
-            for xk, a, b, s in zip(p.x.split(p.counts), p.a_list, p.b_list, p.scalings)
-        ]
+        outs = [((xk @ a.t()) * s) @ b.t() for xk, a, b, s in zip(p.x.split(p.counts), p.a_list, p.b_list, p.scalings)]
         return torch.cat(outs)
 
     def bmm() -> torch.Tensor:
@@ -161,6 +163,20 @@ def methods(p: Problem) -> dict[str, Callable[[], object]]:
         out["ours_f32w"] = fwd_bwd(
             lambda: packed_lora_triton(p.x, p.a_cat32, p.b_cat32, p.layout), [p.x, p.a_cat32, p.b_cat32]
         )
+        out["ours_op"] = fwd_bwd(lambda: packed_lora_op(p.x, p.a_cat, p.b_cat, None, p.layout), [p.x, p.a_cat, p.b_cat])
+
+        def tuned(**changes: object) -> Callable[[], object]:
+            run = out["ours"]
+
+            def fn() -> object:
+                with _tuning.override(**changes):
+                    return run()
+
+            return fn
+
+        out["ours_unfused_dx"] = tuned(fuse_dx=False)
+        if len(set(p.ranks)) > 1:
+            out["ours_per_rank"] = tuned(merge_ranks=False)
     if hasattr(torch, "_grouped_mm") and p.x.is_cuda:
         out["grouped"] = fwd_bwd(grouped, [p.x, p.a_pad, p.b_pad])
     return out
@@ -184,6 +200,7 @@ def run_rows(
                         row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 ours = row["ours_ms"]
                 row["min_bytes"] = p.min_bytes()
+                row["roofline_ms"] = p.min_bytes() / copy_gbps / 1e6
                 row["ours_GBps"] = p.min_bytes() / ours / 1e6
                 row["bandwidth_fraction"] = row["ours_GBps"] / copy_gbps
                 row["speedup_vs_loop"] = row["loop_ms"] / ours
@@ -325,10 +342,12 @@ def summarize(rows: list[dict]) -> dict:
         "bandwidth_fraction": med([r["bandwidth_fraction"] for r in rows if r["K"] == k_max]),
         "bandwidth_fraction_best": max(r["bandwidth_fraction"] for r in rows),
         "ratio_vs_padded_uniform_k32": med([r["ratio_vs_padded"] for r in uniform if r["K"] == k_max]),
+        "speedup_vs_loop_k32_roofline_cap": med([r["loop_ms"] / r["roofline_ms"] for r in mixed_kmax]),
         "definitions": (
             f"speedups: median over shapes of loop/ours at K={k_max}, mixed ranks; ratios: median of "
             f"ours/min(bmm, grouped) time; bandwidth_fraction: median over K={k_max} rows of "
-            f"(min_bytes/ours time)/copy bandwidth"
+            f"(min_bytes/ours time)/copy bandwidth; speedup_vs_loop_k32_roofline_cap: median of "
+            f"loop/(min_bytes at the copy rate), the most any kernel could reach"
         ),
     }
 
@@ -383,6 +402,7 @@ def main() -> None:
     report["copy_bandwidth_GBps"] = copy_gbps
     out = Path(args.out or Path(os.environ.get("OUT", "benchmarks/results")) / "kernels-h200.json")
     out.parent.mkdir(parents=True, exist_ok=True)
+
     def save(rows: list[dict]) -> None:
         report["rows"], report["summary"] = rows, summarize(rows)
         out.write_text(json.dumps(report, indent=1))

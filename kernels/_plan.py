@@ -14,7 +14,8 @@ starting at ``h_offsets[k]``, row stride ``r_k``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -79,6 +80,9 @@ class Plan:
     adapter_rows: tuple[int, int]
     rankless_rows: tuple[tuple[int, int], ...]
     all_columns_written: bool
+    launch_specs: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
+    """Grids and constexprs per (kernel, width, dtype, tuning), filled by ``_launch`` on first
+    use, so a layer call after the first does no planning in Python."""
 
     def groups(self, merge: bool) -> tuple[LaunchGroup, ...]:
         return self.merged if merge else self.per_rank

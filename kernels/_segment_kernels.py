@@ -8,6 +8,7 @@ kernel       reduces over         forward                     backward (DESIGN.m
 shrink       hidden (d_in/d_out)  h = s·x·A_kᵀ                g = s·dy·B_k        (case 2)
 expand       rank (in one tile)   y = base + h·B_kᵀ           dx = g·A_k          (case 4)
 outer        tokens of segment k  —                           dB_k = dyᵀ·h (1), dA_k = gᵀ·x (3)
+                                                              + dx = g·A_k (4), fused
 ===========  ===================  ==========================  ==========================
 
 Tiles run along tokens and hidden columns; an adapter's rank is one padded, masked tile
@@ -257,10 +258,10 @@ def expand_kernel(
 
 @triton.jit
 def _outer_tile(
-    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
-    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+    m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+    n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
     RANK_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    EVEN_C: tl.constexpr, USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr,
+    EVEN_C: tl.constexpr, USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr, DX: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.load(tok_ptr + k)
     t1 = tl.load(tok_ptr + k + 1)
@@ -271,6 +272,9 @@ def _outer_tile(
     ranks = tl.arange(0, RANK_TILE)
     rank_ok = ranks < rank
     dot_dtype = m_ptr.dtype.element_ty
+    if DX:  # this program's block of A_k, reused for every row tile of the segment
+        a_ptrs = a_ptr + (r0 + ranks)[:, None] * stride_ar + cs[None, :] * stride_ac
+        a_blk = tl.load(a_ptrs, mask=rank_ok[:, None] & c_ok[None, :], other=0.0).to(dot_dtype)
 
     acc = tl.zeros((BLOCK_C, RANK_TILE), dtype=tl.float32)
     for row0 in range(t0 + split * BLOCK_M, t1, n_split * BLOCK_M):
@@ -282,8 +286,13 @@ def _outer_tile(
         else:
             m = tl.load(m_ptrs, mask=c_ok[:, None] & row_ok[None, :], other=0.0)
         h_ptrs = h_base + (rows - t0)[:, None] * rank + ranks[None, :]
-        h = tl.load(h_ptrs, mask=row_ok[:, None] & rank_ok[None, :], other=0.0)
-        acc = tl.dot(m.to(dot_dtype), h.to(dot_dtype), acc, input_precision="ieee")
+        h = tl.load(h_ptrs, mask=row_ok[:, None] & rank_ok[None, :], other=0.0).to(dot_dtype)
+        acc = tl.dot(m.to(dot_dtype), h, acc, input_precision="ieee")
+        if DX:  # dx[rows, cs] = g[rows, :] · A_k[:, cs]: the rank reduction fits in the tile
+            d = tl.dot(h, a_blk, input_precision="ieee")
+            d_ptrs = dx_ptr + rows.to(tl.int64)[:, None] * stride_dt + cs[None, :] * stride_dc
+            d_mask = row_ok[:, None] if EVEN_C else row_ok[:, None] & c_ok[None, :]
+            tl.store(d_ptrs, d.to(dx_ptr.dtype.element_ty), mask=d_mask)
 
     o_ptrs = out_ptr + cs[:, None] * stride_oc + (r0 + ranks)[None, :] * stride_or
     mask = c_ok[:, None] & rank_ok[None, :]
@@ -295,18 +304,23 @@ def _outer_tile(
 
 @triton.jit
 def outer_kernel(
-    m_ptr, h_ptr, out_ptr, adapters_ptr, tok_ptr, rank_ptr, hoff_ptr,
-    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
+    m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, adapters_ptr, tok_ptr, rank_ptr, hoff_ptr,
+    n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
     SINGLE: tl.constexpr, T16: tl.constexpr, T32: tl.constexpr, T64: tl.constexpr, T128: tl.constexpr,
     TBIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, EVEN_C: tl.constexpr,
-    USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr,
+    USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr, DX: tl.constexpr,
 ):  # fmt: skip
     """``out_k[c, j] (+)= Σ_t m[t, c] · h[t, j]`` over (a split of) adapter k's token rows.
 
     Grid: (column blocks, adapters, token splits); split ``i`` takes row tiles ``i, i + n_split,
     ...`` of the segment. ``out_k[c, j]`` sits at ``out_ptr + c*stride_oc +
     (rank_offset_k + j)*stride_or`` (dB as is, dA transposed). Adapters: (k, rank tile).
+
+    With ``DX`` (backward cases 3 and 4 in one pass, m = x, h = g) each program also writes
+    ``dx[t, c] = Σ_j g[t, j] · A_k[j, c]`` for the rows and columns it visits, with ``A_k[j, c]``
+    at ``a_ptr + (rank_offset_k + j)*stride_ar + c*stride_ac``: g is read once for both, and
+    dx costs no launch of its own.
     """
     pid_c = tl.program_id(0)
     k = tl.load(adapters_ptr + 2 * tl.program_id(1))
@@ -315,43 +329,43 @@ def outer_kernel(
     n_split = tl.num_programs(2)
     if SINGLE > 0:  # one rank tile: no runtime branch
         _outer_tile(
-            m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
-            n_cols, stride_mt, stride_mc, stride_oc, stride_or,
-            SINGLE, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+            m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+            n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
+            SINGLE, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN, DX,
         )  # fmt: skip
     else:
         if T16:  # noqa: SIM102 - static (constexpr) test around a runtime one
             if rt == 16:
                 _outer_tile(
-                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
-                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
-                    16, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                    m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
+                    16, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN, DX,
                 )  # fmt: skip
         if T32:  # noqa: SIM102 - static (constexpr) test around a runtime one
             if rt == 32:
                 _outer_tile(
-                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
-                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
-                    32, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                    m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
+                    32, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN, DX,
                 )  # fmt: skip
         if T64:  # noqa: SIM102 - static (constexpr) test around a runtime one
             if rt == 64:
                 _outer_tile(
-                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
-                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
-                    64, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                    m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
+                    64, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN, DX,
                 )  # fmt: skip
         if T128:  # noqa: SIM102 - static (constexpr) test around a runtime one
             if rt == 128:
                 _outer_tile(
-                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
-                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
-                    128, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                    m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
+                    128, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN, DX,
                 )  # fmt: skip
         if TBIG > 0:  # noqa: SIM102 - static (constexpr) test around a runtime one
             if rt == TBIG:
                 _outer_tile(
-                    m_ptr, h_ptr, out_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
-                    n_cols, stride_mt, stride_mc, stride_oc, stride_or,
-                    TBIG, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN,
+                    m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
+                    n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
+                    TBIG, BLOCK_M, BLOCK_C, EVEN_C, USE_ATOMIC, ALIGN, DX,
                 )  # fmt: skip

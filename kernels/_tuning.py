@@ -15,7 +15,7 @@ import contextlib
 import functools
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 
 import torch
 
@@ -46,6 +46,8 @@ class Tuning:
         expand_grid: force the number of column programs per token tile if set.
         poison: fill every buffer before the kernels write it with NaN (tests: an element a
             kernel forgets to write shows up instead of passing as leftover zeros).
+        fuse_dx: compute dx = g·A inside the dA kernel's pass over x (one launch and one read of
+            g fewer); off: a separate expand launch, as in the forward.
     """
 
     block_m: int = 128
@@ -59,6 +61,14 @@ class Tuning:
     outer_split: int | None = None
     expand_grid: int | None = None
     poison: bool = False
+    fuse_dx: bool = True
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:  # hashed on every layer call (launch-spec cache key): compute once
+        return self._hash
 
 
 _current: list[Tuning] = [Tuning()]
@@ -92,5 +102,3 @@ def multiprocessors(device: torch.device) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-

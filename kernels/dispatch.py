@@ -19,9 +19,7 @@ def _triton_wanted(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def packed_lora(
-    x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor, layout: SegmentLayout
-) -> torch.Tensor:
+def packed_lora(x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
     """Packed LoRA delta (see :func:`packed_lora_reference`): Triton on CUDA, PyTorch elsewhere.
 
     ``PLORA_KERNELS=reference|triton|auto`` overrides the choice (``triton`` on CPU needs

@@ -30,7 +30,16 @@ def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="override the sweep file's base model")
     p.add_argument("--n-trials", type=int, help="trials per task (default: the file's n_trials or the grid size)")
     p.add_argument("--pack-size", type=int, help="most adapters per pack (default: the file's pack.size)")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
+    p.add_argument(
+        "--device",
+        help="cpu, cuda (every visible GPU, one pack each), cuda:N or a list such as cuda:0,cuda:1 "
+        "(default: every GPU, else cpu)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the sweep in --run-dir (an error if there is none); a plain rerun also resumes",
+    )
 
 
 def _add_results_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,18 +72,39 @@ def default_storage(run_dir: Path) -> str:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
+    from optuna.trial import TrialState
+
+    from plora_hpo.checkpoints import CheckpointStore
     from plora_hpo.config import load_sweep
+    from plora_hpo.preflight import check_sweep_inputs
     from plora_hpo.progress import RichPackProgress
     from plora_hpo.report import print_summary
-    from plora_hpo.study import PackedObjective, create_study, default_n_trials, finished_trials
-    from plora_hpo.sweep import PackedSweep
+    from plora_hpo.run_state import RunState, check_resumable
+    from plora_hpo.study import (
+        PackedObjective,
+        create_study,
+        default_n_trials,
+        finished_trials,
+        run_waiting_trials,
+    )
+    from plora_hpo.sweep import PackedSweep, checkpoint_dir
     from plora_hpo.tracking import SweepTracker, default_tracking_uri
 
-    config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials})
-    if args.pack_size is not None:
-        config = config.model_copy(update={"pack": config.pack.model_copy(update={"size": args.pack_size})})
+    config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
     n_trials = default_n_trials(config)
     run_dir: Path = args.run_dir
+    # bad device/model/data/URIs stop here: before the model loads and before anything is written
+    check_sweep_inputs(
+        config,
+        run_dir=run_dir,
+        data_dir=args.data_dir,
+        device=args.device,
+        mlflow_uri=args.mlflow_uri,
+        storage=args.storage,
+    )
+    saved = check_resumable(run_dir, config, resume=args.resume)
+    for task in config.tasks:  # a corrupt checkpoint stops the rerun before anything starts
+        CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
     storage = args.storage or default_storage(run_dir)
     tracker = SweepTracker(args.mlflow_uri or default_tracking_uri(run_dir), config.name, artifact_root=run_dir)
 
@@ -84,6 +114,11 @@ def run_sweep(args: argparse.Namespace) -> int:
         sweep = PackedSweep(
             config, tracker=tracker, run_dir=run_dir, data_dir=args.data_dir, device=args.device, progress=progress
         )
+        if len(sweep.workers) > 1:
+            progress.note(
+                f"{len(sweep.workers)} devices: packs of degree 1 run concurrently, one per device "
+                "(multi-GPU packs are planned by `plora-hpo plan`, not executed yet)"
+            )
         run_dir_existed = run_dir.exists()
         try:  # the first writes: the stores; undone if either cannot be opened
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -94,26 +129,43 @@ def run_sweep(args: argparse.Namespace) -> int:
             if not run_dir_existed:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        tracker.start(
-            config.name,
-            {**config.model_dump(mode="json", exclude={"space"}), "space": config.space.model_dump()},
-            {"plora.storage": storage},
-        )
+        state = saved or RunState.of(config)
+        parent = {**config.model_dump(mode="json", exclude={"space"}), "space": config.space.model_dump()}
+        if state.mlflow_parent_run_id is None or not tracker.resume(state.mlflow_parent_run_id):
+            state.mlflow_parent_run_id = tracker.start(config.name, parent, {"plora.storage": storage})
+        state.save(run_dir)
+        resumed_runs = {
+            t.user_attrs["mlflow_run_id"]
+            for study in studies.values()
+            for t in study.get_trials(deepcopy=False)
+            if t.state == TrialState.WAITING and "mlflow_run_id" in t.user_attrs
+        }
+        closed = tracker.close_orphan_runs(keep=resumed_runs)
+        if closed:
+            progress.note(f"closed {len(closed)} MLflow runs a killed process left RUNNING")
         started = time.perf_counter()
         try:
             for task, study in studies.items():
-                done = finished_trials(study)
-                remaining = max(0, n_trials - done)
-                progress.add_trials(remaining)
                 objective = PackedObjective(sweep, task)
-                study.optimize(objective, n_trials=remaining, n_jobs=objective.pack_size, catch=())
+                retries = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+                progress.add_trials(max(0, n_trials - finished_trials(study)))
+                if retries:
+                    progress.note(f"{task}: resuming {len(retries)} trials a killed run left in flight")
+                run_waiting_trials(study, objective)
+                remaining = max(0, n_trials - finished_trials(study))
+                study.optimize(objective, n_trials=remaining, n_jobs=sweep.concurrency, catch=())
         except BaseException:
             tracker.finish("FAILED")
             raise
+        finally:
+            sweep.close()
         tracker.finish()
     print_summary(
         studies, wall_seconds=time.perf_counter() - started, storage=storage, tracking_uri=tracker.tracking_uri
     )
+    note = tracker.delivery_note()
+    if note is not None:
+        print(note)
     return 0
 
 
@@ -124,6 +176,8 @@ def run_results(args: argparse.Namespace) -> int:
     from plora_hpo.report import print_summary
     from plora_hpo.study import study_name
 
+    if args.top < 1:
+        raise PloraError(f"--top must be at least 1, got {args.top}; pass --top 1 or more")
     config = load_sweep(args.file)
     if args.storage is None and not (args.run_dir / "optuna.db").is_file():
         raise PloraError(
@@ -146,6 +200,8 @@ def run_results(args: argparse.Namespace) -> int:
 def run_plan(args: argparse.Namespace) -> int:
     from plora_hpo.planner.cli import run_plan as plan
 
+    if not 0 < args.load_factor <= 1:
+        raise PloraError(f"--load-factor must be in (0, 1], got {args.load_factor:g}; pass a fraction such as 0.9")
     return plan(args)
 
 

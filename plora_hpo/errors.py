@@ -15,3 +15,7 @@ class DataError(PloraError):
 
 class ModelError(PloraError):
     """A base model cannot be found, loaded or is of an unsupported family."""
+
+
+class CheckpointError(PloraError):
+    """A saved adapter checkpoint is unreadable or belongs to a different sweep."""

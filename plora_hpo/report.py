@@ -26,8 +26,12 @@ def print_summary(
     console = console or Console()
     for study in studies.values():
         done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+        pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials)
+        retried = {t.user_attrs["retry_of"] for t in study.trials if "retry_of" in t.user_attrs}
+        failed = sum(t.state == optuna.trial.TrialState.FAIL and t.number not in retried for t in study.trials)
         metric = (study.metric_names or ["value"])[0]
-        table = Table(title=f"{study.study_name}: {len(done)} complete trials, metric {metric}")
+        extra = "".join(f", {n} {what}" for n, what in ((pruned, "pruned"), (failed, "failed")) if n)
+        table = Table(title=f"{study.study_name}: {len(done)} complete trials{extra}, metric {metric}")
         for column in ("trial", "rank", "alpha", "lr", "batch", "value", "final loss", "pack"):
             table.add_column(column, justify="right")
         ranked = sorted(done, key=lambda t: t.value, reverse=True)

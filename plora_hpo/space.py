@@ -59,7 +59,8 @@ class SearchSpace:
         return size
 
     def suggest(self, trial: Any) -> AdapterConfig:
-        """Ask an Optuna trial for one config."""
+        """Ask an Optuna trial for one config. A retry of a crashed trial (user attr ``lineage``)
+        gets its predecessor's seed, so it reproduces the same initialisation and data order."""
         params: dict[str, Any] = {}
         for name, p in self._params():
             if p.is_categorical:
@@ -69,7 +70,8 @@ class SearchSpace:
                 params[name] = trial.suggest_int(name, int(p.low), int(p.high), log=p.log)
             else:
                 params[name] = trial.suggest_float(name, p.low, p.high, log=p.log)
-        return self.to_config(params, seed=self.trial_seed(trial.number))
+        lineage = getattr(trial, "user_attrs", {}).get("lineage", trial.number)
+        return self.to_config(params, seed=self.trial_seed(lineage))
 
     def trial_seed(self, trial_number: int) -> int:
         """Each trial gets its own seed (init and data order), derived from the sweep seed."""

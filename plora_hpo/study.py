@@ -1,9 +1,10 @@
 """Optuna integration: packed trials behind ``study.optimize`` and an explicit batch API.
 
-``study.optimize(PackedObjective(sweep, task), n_trials=N, n_jobs=K)`` runs K objective calls
-at once (Optuna's threads); each call suggests its config, then waits while a gatherer
-collects the concurrent calls into one pack, trains and scores them together, and hands every
-trial its own value. Training losses stream back to each trial through ``trial.report``.
+``study.optimize(PackedObjective(sweep, task), n_trials=N, n_jobs=sweep.concurrency)`` runs
+that many objective calls at once (Optuna's threads); each call suggests its config and waits
+while the sweep's device workers train it in a pack with the other calls' trials, score it and
+hand it its value. With a pruner, intermediate eval scores go to ``trial.report`` and a pruned
+trial's slot trains the next trial at once.
 
 Scripts that prefer explicit control use :func:`optimize_in_packs` (ask a batch, train it
 packed, tell each result).
@@ -11,20 +12,17 @@ packed, tell each result).
 
 from __future__ import annotations
 
-import queue
-import threading
-import time
 import warnings
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import optuna
 
 from plora_hpo.config import SweepConfig
-from plora_hpo.engine import StepReport
 from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.space import SearchSpace
-from plora_hpo.sweep import PackedSweep, TrialOutcome, TrialRequest
+from plora_hpo.sweep import PackedSweep
+from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest
 
 REFERENCE_PARAMS = {"rank": 16, "alpha_multiplier": 1.0, "learning_rate": 2e-4, "batch_size": 2}
 """The common default (r 16, alpha 16, lr 2e-4, batch 2): the trial every sweep should beat."""
@@ -40,6 +38,19 @@ def make_sampler(config: SweepConfig, space: SearchSpace) -> optuna.samplers.Bas
     if config.sampler == "gp":
         return optuna.samplers.GPSampler(seed=seed)
     return optuna.samplers.RandomSampler(seed=seed)
+
+
+def make_pruner(config: SweepConfig) -> optuna.pruners.BasePruner:
+    """The sweep file's pruner; steps are each adapter's optimizer steps."""
+    p = config.pruning
+    first = max(p.interval, p.warmup_steps)
+    if p.pruner == "median":
+        return optuna.pruners.MedianPruner(n_warmup_steps=p.warmup_steps, interval_steps=p.interval)
+    if p.pruner == "asha":
+        return optuna.pruners.SuccessiveHalvingPruner(min_resource=first, reduction_factor=3)
+    if p.pruner == "hyperband":
+        return optuna.pruners.HyperbandPruner(min_resource=first, reduction_factor=3)
+    return optuna.pruners.NopPruner()
 
 
 def study_name(config: SweepConfig, task: str) -> str:
@@ -63,6 +74,7 @@ def create_study(config: SweepConfig, task: str, storage: str, *, recover_stale:
             study_name=study_name(config, task),
             storage=storage,
             sampler=make_sampler(config, space),
+            pruner=make_pruner(config),
             direction="maximize",
             load_if_exists=True,
         )
@@ -80,19 +92,62 @@ def create_study(config: SweepConfig, task: str, storage: str, *, recover_stale:
 
 
 def recover_stale_trials(study: optuna.Study) -> list[int]:
-    """Fail every RUNNING trial and enqueue its params again, so a rerun retrains it.
+    """Fail every trial a dead or interrupted run left unfinished and enqueue it again.
 
     After a crash or ``kill -9`` the storage still holds the in-flight trials as RUNNING and
-    nothing would ever finish them. Each one is told FAIL and a WAITING copy (same params and
-    user attrs, plus ``retry_of``) is enqueued; :func:`finished_trials` does not count the
-    failed original, so the rerun still reaches ``n_trials``. Returns the failed trial numbers.
+    nothing would ever finish them; after an interrupt they are FAIL with the user attr
+    ``interrupted``. Each is (told FAIL and) enqueued again as a WAITING copy with the same
+    params and user attrs plus ``retry_of``: the copy keeps the ``lineage`` and
+    ``mlflow_run_id``, so it resumes from the checkpoint and continues the MLflow run.
+    :func:`finished_trials` does not count the original. Returns the recovered trial numbers.
     """
-    stale = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+    trials = study.get_trials(deepcopy=False)
+    retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+    stale = [
+        t
+        for t in trials
+        if t.state == optuna.trial.TrialState.RUNNING
+        or (t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("interrupted") and t.number not in retried)
+    ]
     for trial in stale:
         params = trial.system_attrs.get("fixed_params") or trial.params
-        study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
-        study.enqueue_trial(params, user_attrs={**trial.user_attrs, "retry_of": trial.number}, skip_if_exists=False)
+        if trial.state == optuna.trial.TrialState.RUNNING:
+            _tell(study, trial.number, state=optuna.trial.TrialState.FAIL)
+        user_attrs = {k: v for k, v in trial.user_attrs.items() if k != "interrupted"}
+        study.enqueue_trial(params, user_attrs={**user_attrs, "retry_of": trial.number}, skip_if_exists=False)
     return [t.number for t in stale]
+
+
+def run_waiting_trials(study: optuna.Study, objective: PackedObjective) -> int:
+    """Run every WAITING trial (the retries :func:`recover_stale_trials` enqueued) together.
+
+    They are asked here, one after another in one thread, and then trained concurrently: Optuna
+    5.0 on sqlite can pop one waiting trial into two ``study.optimize`` threads at once.
+    Returns how many ran.
+    """
+    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
+    trials = [study.ask() for _ in waiting]
+    if trials:
+        with ThreadPoolExecutor(len(trials), thread_name_prefix="plora-retry") as pool:
+            for future in [pool.submit(_run_and_tell, study, objective, t) for t in trials]:
+                future.result()
+    return len(trials)
+
+
+def _run_and_tell(study: optuna.Study, objective: PackedObjective, trial: optuna.Trial) -> None:
+    """What ``study.optimize`` does with one trial: run the objective, tell the state it reached."""
+    try:
+        value = objective(trial)
+    except optuna.TrialPruned:
+        _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
+        return
+    except BaseException:
+        _tell(study, trial, state=optuna.trial.TrialState.FAIL)
+        raise
+    if value != value:  # NaN: the adapter failed (non-finite); only this trial fails
+        _tell(study, trial, state=optuna.trial.TrialState.FAIL)
+    else:
+        _tell(study, trial, value)
 
 
 def finished_trials(study: optuna.Study) -> int:
@@ -125,6 +180,9 @@ def record_outcome(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None
     trial.set_user_attr("metrics", outcome.metrics)
     trial.set_user_attr("tokens_per_second", outcome.tokens_per_second)
     trial.set_user_attr("final_train_loss", outcome.losses[-1] if outcome.losses else None)
+    trial.set_user_attr("resumed_from_step", outcome.resumed_from)
+    if outcome.pruned:
+        trial.set_user_attr("pruned_at_step", outcome.pruned_at)
 
 
 def record_failure(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None:
@@ -135,111 +193,70 @@ def record_failure(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None
 
 
 # --- study.optimize -------------------------------------------------------------------------
-_DONE = object()
+def trial_request(trial: optuna.Trial, task: str, config: Any, pruning: bool) -> TrialRequest:
+    """A trial's request, wired back to the trial: its MLflow run id lands in its user attrs as
+    soon as it trains, and (with a pruner) each intermediate score goes to ``trial.report``.
 
+    A retry of a crashed trial carries its predecessor's ``lineage`` and ``mlflow_run_id`` (see
+    :func:`recover_stale_trials`), so it continues that checkpoint and that MLflow run.
+    """
+    lineage = trial.user_attrs.get("lineage")
+    if lineage is None:
+        lineage = trial.number
+        trial.set_user_attr("lineage", lineage)
 
-@dataclass
-class _Ticket:
-    request: TrialRequest
-    reports: queue.Queue = field(default_factory=queue.Queue)
-    outcome: TrialOutcome | None = None
-    error: BaseException | None = None
+    def should_prune(step: int, value: float) -> bool:
+        trial.report(value, step)
+        return trial.should_prune()
 
-
-class _PackGatherer:
-    """Collects concurrent trial requests into packs and runs each pack on a worker thread."""
-
-    def __init__(self, sweep: PackedSweep, pack_size: int, gather_seconds: float) -> None:
-        self.sweep = sweep
-        self.pack_size = pack_size
-        self.gather_seconds = gather_seconds
-        self._inbox: queue.Queue[_Ticket] = queue.Queue()
-        self._worker = threading.Thread(target=self._serve, name="plora-packs", daemon=True)
-        self._worker.start()
-
-    def submit(self, request: TrialRequest) -> _Ticket:
-        ticket = _Ticket(request)
-        request.on_report = ticket.reports.put
-        self._inbox.put(ticket)
-        return ticket
-
-    def _gather(self) -> list[_Ticket]:
-        batch = [self._inbox.get()]
-        deadline = time.monotonic() + self.gather_seconds
-        while len(batch) < self.pack_size:
-            try:
-                batch.append(self._inbox.get(timeout=max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                break
-        return batch
-
-    @staticmethod
-    def _finish(tickets: list[_Ticket], error: BaseException | None = None) -> None:
-        for ticket in tickets:
-            ticket.error = error
-            ticket.reports.put(_DONE)
-
-    def _serve(self) -> None:
-        while True:
-            gathered = self._gather()
-            by_request = {id(t.request): t for t in gathered}
-            try:
-                packs = self.sweep.split_into_packs([t.request for t in gathered])
-            except BaseException as err:  # delivered to every waiting trial
-                self._finish(gathered, err)
-                continue
-            for pack in packs:
-                tickets = [by_request[id(r)] for r in pack]
-                try:
-                    outcomes = self.sweep.run_pack(pack)
-                except BaseException as err:  # delivered to every waiting trial of the pack
-                    self._finish(tickets, err)
-                    continue
-                for ticket, outcome in zip(tickets, outcomes):
-                    ticket.outcome = outcome
-                self._finish(tickets)
+    return TrialRequest(
+        task,
+        trial.number,
+        config,
+        lineage=lineage,
+        run_id=trial.user_attrs.get("mlflow_run_id"),
+        should_prune=should_prune if pruning else None,
+        on_started=lambda run_id: trial.set_user_attr("mlflow_run_id", run_id),
+    )
 
 
 class PackedObjective:
     """An Optuna objective whose concurrent calls train together as packs.
 
+    Each call suggests its config and queues it on the sweep; the device workers pack queued
+    trials together and refill a pack's free slots (a finished, pruned or failed adapter's) with
+    the next queued trial. Run it with ``n_jobs`` = :attr:`PackedSweep.concurrency` so that
+    enough trials are in flight to fill every device's pack.
+
     Example:
         >>> objective = PackedObjective(sweep, task="synthetic")  # doctest: +SKIP
-        >>> study.optimize(objective, n_trials=8, n_jobs=objective.pack_size)  # doctest: +SKIP
+        >>> study.optimize(objective, n_trials=8, n_jobs=sweep.concurrency)  # doctest: +SKIP
     """
 
-    def __init__(
-        self,
-        sweep: PackedSweep,
-        task: str,
-        *,
-        pack_size: int | None = None,
-        gather_seconds: float | None = None,
-    ) -> None:
+    def __init__(self, sweep: PackedSweep, task: str) -> None:
         config = sweep.config
         self.sweep = sweep
         self.task = task
         self.space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
-        self.pack_size = pack_size or config.pack.size
-        gather = config.pack.gather_seconds if gather_seconds is None else gather_seconds
-        self._gatherer = _PackGatherer(sweep, self.pack_size, gather)
+        self.pruning = config.pruning.pruner != "none"
 
     def __call__(self, trial: optuna.Trial) -> float:
         config = self.space.suggest(trial)
-        ticket = self._gatherer.submit(TrialRequest(self.task, trial.number, config))
-        while (item := ticket.reports.get()) is not _DONE:
-            report: StepReport = item
-            trial.report(report.loss, report.step)
-        if ticket.error is not None:
-            raise ticket.error
-        assert ticket.outcome is not None
-        if ticket.outcome.failed:
+        try:
+            outcome = self.sweep.submit(trial_request(trial, self.task, config, self.pruning)).wait()
+        except TrialInterrupted:
+            trial.set_user_attr("interrupted", True)  # a rerun resumes it (recover_stale_trials)
+            raise
+        if outcome.pruned:
+            record_outcome(trial, outcome)
+            raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at} ({outcome.value:.4f})")
+        if outcome.failed:
             # Returning NaN makes Optuna mark just this trial FAIL (with a warning) and go on;
             # raising would stop study.optimize(catch=()) and with it the trials still to run.
-            record_failure(trial, ticket.outcome)
+            record_failure(trial, outcome)
             return float("nan")
-        record_outcome(trial, ticket.outcome)
-        return ticket.outcome.value
+        record_outcome(trial, outcome)
+        return outcome.value
 
 
 # --- explicit batches ---------------------------------------------------------------------------
@@ -254,43 +271,50 @@ def optimize_in_packs(
 ) -> list[TrialOutcome]:
     """Ask a batch, train it as one pack, tell every result; repeat until ``n_trials`` are done.
 
-    A trial that turned non-finite is told FAIL (``fail_reason`` user attr) and still counts
-    towards ``n_trials``; its outcome is returned with ``failed`` set.
+    A trial that turned non-finite is told FAIL (``fail_reason`` user attr), one its pruner
+    stopped is told PRUNED; both count towards ``n_trials`` and are returned with their flag set.
     """
     config = sweep.config
     space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
+    pruning = config.pruning.pruner != "none"
     outcomes: list[TrialOutcome] = []
     while len(outcomes) < n_trials:
         batch = ask_batch(study, space, min(pack_size, n_trials - len(outcomes)))
-        requests = [TrialRequest(task, trial.number, cfg) for trial, cfg in batch]
+        requests = [trial_request(trial, task, cfg, pruning) for trial, cfg in batch]
         try:
             results = sweep.run_pack(requests)
         except BaseException:
             for trial, _ in batch:
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
+                _tell(study, trial, state=optuna.trial.TrialState.FAIL)
             raise
         for (trial, _), outcome in zip(batch, results):
-            for step, loss in enumerate(outcome.losses, start=1):
-                trial.report(loss, step)
             if outcome.failed:  # only this trial fails; the batch and the study go on
                 record_failure(trial, outcome)
-                study.tell(trial, state=optuna.trial.TrialState.FAIL)
-                continue
-            record_outcome(trial, outcome)
-            _tell(study, trial, outcome.value)
+                _tell(study, trial, state=optuna.trial.TrialState.FAIL)
+            elif outcome.pruned:
+                record_outcome(trial, outcome)
+                _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
+            else:
+                record_outcome(trial, outcome)
+                _tell(study, trial, outcome.value)
         outcomes += results
     return outcomes
 
 
-def _tell(study: optuna.Study, trial: optuna.Trial, value: float) -> None:
+def _tell(
+    study: optuna.Study,
+    trial: optuna.Trial | int,
+    value: float | None = None,
+    state: optuna.trial.TrialState | None = None,
+) -> None:
     """``study.tell`` that tolerates an exhausted grid.
 
-    GridSampler calls ``study.stop()`` after the last grid point, which Optuna only allows inside
-    ``optimize``; in ask-and-tell the trial is already stored when that raises, so it is safe
-    to ignore.
+    GridSampler calls ``study.stop()`` once every grid point is taken, which Optuna only allows
+    inside ``optimize``; outside it (ask-and-tell, recovery) the trial's state is stored before
+    that raises, so it is safe to ignore.
     """
     try:
-        study.tell(trial, value)
+        study.tell(trial, value, state=state)
     except RuntimeError as err:
         if not (isinstance(study.sampler, optuna.samplers.GridSampler) and "Study.stop" in str(err)):
             raise

@@ -1,89 +1,71 @@
-"""Run packs of trials: engine → evaluator → tracker. The study layer decides what to run.
+"""Run trials as packs on the machine's devices: engine → evaluator → tracker.
 
-:class:`PackedSweep` loads the base model and each task's data once, then trains any list of
-trials as one pack, scores every adapter in one batched evaluation, exports each adapter in
-PEFT format, and records one MLflow child run per trial.
+:class:`PackedSweep` loads each task's data once and the base model once per device, then
+serves trial requests from any thread: :meth:`PackedSweep.submit` queues one, and the device
+workers (:mod:`plora_hpo.worker`) train queued trials together, score every adapter in
+batched evaluations, export each in PEFT format and record one MLflow child run per trial.
+The study layer (:mod:`plora_hpo.study`) decides what to run.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
+import queue
 import threading
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from plora_hpo.adapter import AdapterConfig
+from plora_hpo.checkpoints import CheckpointStore
 from plora_hpo.config import SweepConfig
-from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
+from plora_hpo.engine import OptimizerSettings, PackStats
 from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.errors import ConfigError
 from plora_hpo.tracking import SweepTracker
+from plora_hpo.trials import PackProgress, TrialInterrupted, TrialOutcome, TrialRequest, TrialTicket
 
-ReportCallback = Callable[[StepReport], None]
-_LOAD_FACTOR = 0.9  # the planner's default C: plan packs to use at most 90% of device memory
-
-
-class PackProgress:
-    """Hooks a front end (the CLI's progress bars) gets called with; the default does nothing."""
-
-    def pack_started(self, pack_id: str, n_adapters: int, steps: int) -> None: ...
-
-    def step_done(self) -> None: ...
-
-    def evaluating(self, pack_id: str) -> None: ...
-
-    def pack_finished(self, pack_id: str, outcomes: list[TrialOutcome]) -> None: ...
-
-
-@dataclass
-class TrialRequest:
-    """One Optuna trial to train: its number, its config, and who wants its step losses."""
-
-    task: str
-    number: int
-    config: AdapterConfig
-    on_report: ReportCallback | None = None
-
-    @property
-    def adapter_id(self) -> str:
-        return f"{self.task}-t{self.number}"
-
-
-@dataclass
-class TrialOutcome:
-    """One trial's result. A failed trial (``fail_reason`` set) has value NaN, no metrics and no
-    adapter: it left its pack at a non-finite step and was neither evaluated nor exported."""
-
-    request: TrialRequest
-    value: float
-    metrics: dict[str, float]
-    losses: list[float]
-    run_id: str
-    adapter_dir: Path | None
-    pack_id: str
-    tokens_per_second: float
-    fail_reason: str | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.fail_reason is not None
+if TYPE_CHECKING:
+    from plora_hpo.worker import DeviceWorker, _Slot
 
 
 @dataclass
 class _TaskData:
     examples: list[Any]
-    eval_tasks: dict[str, Any]
     metric: str
-    spec: Any = field(repr=False, default=None)
+
+
+def resolve_devices(spec: str | None) -> list[torch.device]:
+    """``None``/``"cuda"``: every visible GPU (else the CPU); ``"cuda:1"``; ``"cuda:0,cuda:1"``;
+    ``"cpu"``. Repeating a device (``"cpu,cpu"``) runs that many workers on it."""
+    if spec is None or spec == "cuda":
+        if torch.cuda.is_available():
+            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
+        if spec == "cuda":
+            raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
+        return [torch.device("cpu")]
+    devices = []
+    for part in spec.split(","):
+        try:
+            device = torch.device(part.strip())
+        except RuntimeError:
+            raise ConfigError(f"--device {spec}: {part!r} is not a device; use cpu, cuda or cuda:N") from None
+        if device.type == "cuda" and (
+            not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+        ):
+            raise ConfigError(f"--device {spec}: {part} is not visible; use --device cpu or an existing cuda:N")
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {spec}: {device.type} is not supported; use cpu or cuda")
+        devices.append(device)
+    return devices
 
 
 class PackedSweep:
-    """The loaded base model, task data and tracker that every pack of a sweep shares."""
+    """Task data, tracker, checkpoints and one worker per device, shared by every trial."""
 
     def __init__(
         self,
@@ -95,31 +77,49 @@ class PackedSweep:
         device: str | None = None,
         progress: PackProgress | None = None,
     ) -> None:
-        from plora_hpo.models import load_base_model
+        from plora_hpo.worker import DeviceWorker
 
         self.config = config
         self.tracker = tracker
         self.run_dir = run_dir
         self.data_dir = data_dir
         self.progress = progress or PackProgress()
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        dtype = None if config.dtype == "auto" else getattr(torch, config.dtype)
-        self.base = load_base_model(config.model, dtype=dtype, device=self.device, seed=config.seed)
-        if self.base.tokenizer is None:
-            raise ConfigError(
-                f"model {config.model!r} has no tokenizer (random-init shapes are for benchmarks); "
-                "use 'smollm2-135m', a hub id or a local model directory"
-            )
-        self.packed = PackedLoraModel(self.base.model, config.target_modules)
+        self.devices = resolve_devices(device)
+        self.base = self._load_base(self.devices[0])
         self.tasks = {task: self._load_task(task) for task in config.tasks}
+        self.inbox: queue.Queue[TrialTicket | None] = queue.Queue()
         self._pack_ids = itertools.count()
-        self._lock = threading.Lock()  # one pack at a time on one device
+        self._started = False
+        self._lock = threading.Lock()
+        self._models = {0: self.base}
+        names = [f"{d}" if self.devices.count(d) == 1 else f"{d}#{i}" for i, d in enumerate(self.devices)]
+        self.workers: list[DeviceWorker] = [
+            DeviceWorker(self, d, name, replica=i) for i, (d, name) in enumerate(zip(self.devices, names))
+        ]
+        del self._models  # each worker holds its own replica now
 
-    def _load_task(self, name: str) -> _TaskData:
-        from plora_hpo.tasks import build_eval_tasks, get_task, load_train_examples
+    # --- loading ------------------------------------------------------------------------------
+    def _load_base(self, device: torch.device) -> Any:
+        from plora_hpo.models import load_base_model
 
         cfg = self.config
-        spec = get_task(name)
+        dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+        base = load_base_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed)
+        if base.tokenizer is None:
+            raise ConfigError(
+                f"model {cfg.model!r} has no tokenizer (random-init shapes are for benchmarks); "
+                "use 'smollm2-135m', a hub id or a local model directory"
+            )
+        return base
+
+    def base_on(self, device: torch.device, replica: int) -> Any:
+        """The base model for worker ``replica`` (the first one is already loaded)."""
+        return self._models.pop(replica, None) or self._load_base(device)
+
+    def _load_task(self, name: str) -> _TaskData:
+        from plora_hpo.tasks import get_task, load_train_examples
+
+        cfg = self.config
         examples = load_train_examples(
             name,
             self.base.tokenizer,
@@ -134,9 +134,19 @@ class PackedSweep:
                 f"space.batch_size: {int(largest_batch)} is larger than the {len(examples)} training "
                 f"examples of task {name!r}; lower the batch size or raise budget.max_train_examples"
             )
-        eval_tasks = build_eval_tasks(name, data_dir=self.data_dir, num_fewshot=cfg.evaluation.num_fewshot)
-        return _TaskData(examples=examples, eval_tasks=eval_tasks, metric=spec.primary_metric, spec=spec)
+        self.build_eval_tasks([name])  # fail now, with one clear line, if the eval data is missing
+        return _TaskData(examples=examples, metric=get_task(name).primary_metric)
 
+    def build_eval_tasks(self, tasks: Sequence[str] | None = None) -> dict[str, Any]:
+        """Fresh lm-eval task objects (they keep per-run state, so each worker gets its own)."""
+        from plora_hpo.tasks import build_eval_tasks
+
+        return {
+            task: build_eval_tasks(task, data_dir=self.data_dir, num_fewshot=self.config.evaluation.num_fewshot)
+            for task in (tasks or self.config.tasks)
+        }
+
+    # --- what workers share -------------------------------------------------------------------
     def total_steps(self, task: str, config: AdapterConfig) -> int:
         budget = self.config.budget
         if budget.steps is not None:
@@ -152,6 +162,22 @@ class PackedSweep:
             max_grad_norm=t.max_grad_norm,
         )
 
+    def checkpoints(self, task: str) -> CheckpointStore:
+        return CheckpointStore(checkpoint_dir(self.run_dir, self.config, task))
+
+    def next_pack_id(self, worker_name: str) -> str:
+        n = next(self._pack_ids)
+        return f"pack-{n}" if len(self.workers) == 1 else f"pack-{n}@{worker_name}"
+
+    def device_spec(self, device: torch.device) -> Any:
+        """The device as the planner's cost model sees it (the CPU host counts as one "GPU")."""
+        from plora_hpo.planner import GpuSpec
+
+        if device.type == "cuda":
+            props = torch.cuda.get_device_properties(device)
+            return GpuSpec(props.name, props.total_memory / 2**30)
+        return GpuSpec.host()
+
     def trial_params(self, request: TrialRequest) -> dict[str, Any]:
         cfg = self.config
         return {
@@ -164,224 +190,179 @@ class PackedSweep:
             "lr_schedule": cfg.train.lr_schedule,
         }
 
-    # --- planning -------------------------------------------------------------------------
-    def device_spec(self) -> Any:
-        """The device as the planner's cost model sees it (the CPU host counts as one "GPU")."""
-        from plora_hpo.planner import GpuSpec
+    # --- submitting work ----------------------------------------------------------------------
+    def submit(self, request: TrialRequest) -> TrialTicket:
+        """Queue a trial; a worker trains it in its next pack with room. Thread-safe."""
+        with self._lock:
+            if not self._started:
+                for worker in self.workers:
+                    worker.start()
+                self._started = True
+        ticket = TrialTicket(request)
+        self.inbox.put(ticket)
+        return ticket
 
-        if self.device.type == "cuda":
-            props = torch.cuda.get_device_properties(self.device)
-            return GpuSpec(props.name, props.total_memory / 2**30)
-        return GpuSpec.host()
+    def run_pack(self, requests: Sequence[TrialRequest]) -> list[TrialOutcome]:
+        """Train ``requests`` (together, as far as ``pack.size`` and memory allow) and wait for all.
 
-    def _dtype_bytes(self) -> int:
-        return next(self.base.model.parameters()).element_size()
-
-    def split_into_packs(self, requests: Sequence[TrialRequest]) -> list[list[TrialRequest]]:
-        """Group concurrent trials into packs that fit this device, as few packs as possible.
-
-        On one device the restricted problem F(1, K) keeps every adapter that fits: they share
-        one pass of the base model. Adapters are placed largest-memory first into the first pack
-        with room (pack.size and the cost model's calibrated memory, at the planner's load
-        factor). Multi-GPU schedules (degree > 1, DTM) are planned by ``plora-hpo plan`` but not
-        executed yet.
+        Raises the first error a trial met, after every trial has ended.
         """
-        from plora_hpo.planner import CostModel, UnschedulableError, Workload, load_calibration
-        from plora_hpo.planner.model_names import shape_name_of
+        tickets = [self.submit(r) for r in requests]
+        outcomes, errors = [], []
+        for ticket in tickets:
+            try:
+                outcomes.append(ticket.wait())
+            except BaseException as err:
+                errors.append(err)
+        if errors:
+            raise errors[0]
+        return outcomes
 
-        cfg, gpu = self.config, self.device_spec()
-        shape_name = shape_name_of(self.base.shape)
-        cost = CostModel(
-            Workload(self.base.shape, cfg.seq_len, tuple(cfg.target_modules), self._dtype_bytes()),
-            gpu,
-            load_calibration(shape_name, gpu.name) if shape_name else None,
+    @property
+    def concurrency(self) -> int:
+        """How many trials can train at once: pack size × workers (``study.optimize``'s n_jobs)."""
+        return self.config.pack.size * len(self.workers)
+
+    def __enter__(self) -> PackedSweep:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Stop the workers (a pack still training checkpoints its adapters first; idempotent)."""
+        if self._started:
+            self.inbox.put(None)
+            for worker in self.workers:
+                worker.join()
+            self._started = False
+        while not self.inbox.empty():  # the shutdown marker, and trials no worker took any more
+            ticket = self.inbox.get_nowait()
+            if ticket is not None:
+                ticket.fail(TrialInterrupted(f"{ticket.request.adapter_id}: the sweep stopped before it started"))
+
+    # --- per-trial bookkeeping (called from worker threads) ----------------------------------
+    def open_trial_run(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
+        """The trial's MLflow run: its crashed predecessor's, reopened, or a new one."""
+        tags = {"plora.pack_id": pack_id, "plora.trial_number": str(request.number), "plora.task": request.task}
+        if run_id is not None and self.tracker.resume_trial(run_id, tags):
+            return run_id
+        return self.tracker.start_trial(request.adapter_id, self.trial_params(request), tags)
+
+    def score(self, worker: DeviceWorker, task: str, adapter_ids: list[str], *, limit: int) -> dict[str, float]:
+        """Intermediate scores (the task's primary metric on the first ``limit`` eval documents)."""
+        metrics = self._evaluate(worker, task, adapter_ids, limit)
+        return {a: metrics[a][self.tasks[task].metric] for a in adapter_ids}
+
+    def evaluate(self, worker: DeviceWorker, task: str, adapter_ids: list[str]) -> dict[str, dict[str, float]]:
+        return self._evaluate(worker, task, adapter_ids, self.config.evaluation.limit)
+
+    def _evaluate(
+        self, worker: DeviceWorker, task: str, adapter_ids: list[str], limit: int | None
+    ) -> dict[str, dict[str, float]]:
+        from plora_hpo.evaluation import evaluate_adapters
+
+        ev = self.config.evaluation
+        return evaluate_adapters(
+            worker.packed,
+            worker.base.tokenizer,
+            adapter_ids,
+            worker.eval_tasks[task],
+            limit=limit,
+            batch_size=ev.batch_size,
+            max_new_tokens=ev.max_new_tokens,
+            bootstrap_iters=ev.bootstrap_iters,
         )
-        limit = _LOAD_FACTOR * gpu.memory_bytes
-        packs: list[list[TrialRequest]] = []
-        for r in sorted(requests, key=lambda r: -cost.peak_memory([r.config])):
-            if cost.peak_memory([r.config]) > limit:
-                raise UnschedulableError(
-                    f"trial {r.number} ({r.config.label()}) needs {cost.peak_memory([r.config]) / 2**30:.1f} GiB, "
-                    f"more than {limit / 2**30:.1f} GiB of {gpu.name}; lower its batch size or rank",
-                    [r.number],
-                )
-            home = next(
-                (
-                    p
-                    for p in packs
-                    if len(p) < cfg.pack.size and cost.peak_memory([*(q.config for q in p), r.config]) <= limit
-                ),
-                None,
-            )
-            if home is None:
-                packs.append([r])
-            else:
-                home.append(r)
-        return packs
 
-    def _calibrate(self, requests: Sequence[TrialRequest], stats: Any) -> None:
-        """Feed the measured step time and peak memory back into the planner's cost model."""
+    def calibrate(
+        self, worker: DeviceWorker, configs: list[AdapterConfig], step_seconds: float, peak_bytes: int | None
+    ) -> None:
+        """Feed a pack's measured step time (and GPU peak memory) back into the planner's cost model."""
         from plora_hpo.planner import record_observation
         from plora_hpo.planner.model_names import shape_name_of
 
-        shape_name = shape_name_of(self.base.shape)
+        shape_name = shape_name_of(worker.base.shape)
         if shape_name is None:  # a model of unlisted shape: nothing to calibrate against
             return
-        warm = stats.step_seconds[1 : 1 + 8] or stats.step_seconds
         record_observation(
             shape_name,
-            self.device_spec(),
-            [r.config for r in requests],
+            worker.gpu,
+            configs,
             self.config.seq_len,
             tuple(self.config.target_modules),
-            step_seconds=sum(warm) / len(warm),
-            peak_bytes=stats.peak_memory_bytes if self.device.type == "cuda" else None,
-            dtype_bytes=self._dtype_bytes(),
+            step_seconds=step_seconds,
+            peak_bytes=peak_bytes,
+            dtype_bytes=worker.dtype_bytes(),
         )
 
-    # --- one pack -----------------------------------------------------------------------
-    def run_pack(self, requests: Sequence[TrialRequest]) -> list[TrialOutcome]:
-        """Train ``requests`` together, evaluate them together, log and export each one."""
-        with self._lock:
-            pack_id = f"pack-{next(self._pack_ids)}"
-            run_ids: dict[str, str] = {}
-            try:
-                for r in requests:
-                    run_ids[r.adapter_id] = self.tracker.start_trial(
-                        r.adapter_id,
-                        self.trial_params(r),
-                        {"plora.pack_id": pack_id, "plora.trial_number": str(r.number), "plora.task": r.task},
-                    )
-                outcomes = self._train_evaluate_export(pack_id, requests, run_ids)
-            except BaseException:
-                for run_id in run_ids.values():
-                    self.tracker.end_trial(run_id, "FAILED")
-                raise
-            finally:
-                for r in requests:
-                    if r.adapter_id in self.packed.configs:
-                        self.packed.remove_adapter(r.adapter_id)
-            return outcomes
-
-    def _train_evaluate_export(
-        self, pack_id: str, requests: Sequence[TrialRequest], run_ids: dict[str, str]
-    ) -> list[TrialOutcome]:
-        from plora_hpo.evaluation import evaluate_adapters
-
-        trainer = PackedTrainer(
-            self.packed,
-            settings=self.optimizer_settings(),
-            pad_id=self.base.tokenizer.pad_token_id,
-            device=self.device,
-        )
-        by_id = {r.adapter_id: r for r in requests}
-        for r in requests:
-            examples = self.tasks[r.task].examples
-            trainer.add_job(AdapterJob(r.adapter_id, r.config, examples, self.total_steps(r.task, r.config)))
-        losses: dict[str, list[tuple[int, float, float]]] = {r.adapter_id: [] for r in requests}
-        failures: dict[str, str] = {}
-        every = self.config.train.report_every
-
-        def on_step(report: StepReport) -> bool:
-            if report.failed:  # already out of the pack; the others train on
-                failures[report.adapter_id] = report.fail_reason
-                return False
-            losses[report.adapter_id].append((report.step, report.loss, report.lr))
-            request = by_id[report.adapter_id]
-            if request.on_report is not None and (report.step % every == 0 or trainer.is_done(report.adapter_id)):
-                request.on_report(report)
-            return True
-
-        self.progress.pack_started(pack_id, len(requests), max(j.total_steps for j in trainer.jobs.values()))
-
-        furthest = 0  # packed steps so far = the furthest step any adapter has reached
-
-        def on_step_with_progress(report: StepReport) -> bool:
-            nonlocal furthest
-            if report.step > furthest:
-                furthest = report.step
-                self.progress.step_done()
-            return on_step(report)
-
-        stats = trainer.run(on_step_with_progress)
-        self._calibrate(requests, stats)
-        self.progress.evaluating(pack_id)
-        metrics: dict[str, dict[str, float]] = {}
-        for task in {r.task for r in requests}:
-            ids = [r.adapter_id for r in requests if r.task == task and r.adapter_id not in failures]
-            if not ids:
-                continue
-            ev = self.config.evaluation
-            metrics.update(
-                evaluate_adapters(
-                    self.packed,
-                    self.base.tokenizer,
-                    ids,
-                    self.tasks[task].eval_tasks,
-                    limit=ev.limit,
-                    batch_size=ev.batch_size,
-                    max_new_tokens=ev.max_new_tokens,
-                    bootstrap_iters=ev.bootstrap_iters,
-                )
-            )
-
-        outcomes = []
-        for r in requests:
-            run_id = run_ids[r.adapter_id]
-            if r.adapter_id in failures:
-                outcomes.append(self._record_failure(r, run_id, pack_id, failures[r.adapter_id], losses, stats))
-                continue
-            adapter_dir = export_peft_adapter(
-                self.packed, r.adapter_id, self.run_dir / "adapters" / r.adapter_id, self.base.name
-            )
-            rows = _curve_rows(losses[r.adapter_id])
-            rows += [(_metric_key(k), v, 0) for k, v in metrics[r.adapter_id].items()]
-            rows.append(("pack_tokens_per_second", stats.tokens_per_second, 0))
-            rows.append(("pack_peak_memory_gib", stats.peak_memory_bytes / 2**30, 0))
-            self.tracker.log_metrics(run_id, rows)
-            self.tracker.set_tags(run_id, {"plora.pack_size": str(len(requests))})
-            self.tracker.log_adapter(run_id, adapter_dir)
-            self.tracker.end_trial(run_id)
-            metric = self.tasks[r.task].metric
-            outcomes.append(
-                TrialOutcome(
-                    request=r,
-                    value=metrics[r.adapter_id][metric],
-                    metrics=metrics[r.adapter_id],
-                    losses=[loss for _, loss, _ in losses[r.adapter_id]],
-                    run_id=run_id,
-                    adapter_dir=adapter_dir,
-                    pack_id=pack_id,
-                    tokens_per_second=stats.tokens_per_second,
-                )
-            )
-        self.progress.pack_finished(pack_id, sorted(outcomes, key=lambda o: o.failed))  # healthy first
-        return outcomes
-
-    def _record_failure(
-        self,
-        request: TrialRequest,
-        run_id: str,
-        pack_id: str,
-        reason: str,
-        losses: dict[str, list[tuple[int, float, float]]],
-        stats: Any,
+    def completed_outcome(
+        self, worker: DeviceWorker, slot: _Slot, pack_id: str, metrics: dict[str, float], stats: PackStats
     ) -> TrialOutcome:
-        """A trial that left its pack non-finite: its losses so far and the reason, run FAILED."""
-        self.tracker.log_metrics(run_id, _curve_rows(losses[request.adapter_id]))
-        self.tracker.set_tags(run_id, {"plora.fail_reason": reason, "plora.pack_size": str(len(losses))})
+        """Export the adapter, log its curve, metrics and artifact, and close its run."""
+        request = slot.request
+        adapter_dir = export_peft_adapter(
+            worker.packed, request.adapter_id, self.run_dir / "adapters" / request.adapter_id, self.base.name
+        )
+        rows = _curve_rows(slot.curve) + _intermediate_rows(slot.intermediate, self.tasks[request.task].metric)
+        rows += [(_metric_key(k), v, 0) for k, v in metrics.items()]
+        rows.append(("pack_tokens_per_second", stats.tokens_per_second, 0))
+        rows.append(("pack_peak_memory_gib", stats.peak_memory_bytes / 2**30, 0))
+        self.tracker.log_metrics(slot.run_id, rows)
+        self.tracker.set_tags(slot.run_id, self._end_tags(slot, "COMPLETE"))
+        self.tracker.log_adapter(slot.run_id, adapter_dir)
+        self.tracker.end_trial(slot.run_id)
+        return self._outcome(
+            slot,
+            pack_id,
+            stats,
+            value=metrics[self.tasks[request.task].metric],
+            metrics=metrics,
+            adapter_dir=adapter_dir,
+        )
+
+    def pruned_outcome(self, slot: _Slot, pack_id: str, step: int, stats: PackStats) -> TrialOutcome:
+        """A trial its pruner stopped at ``step``: curve and intermediate scores logged, run KILLED."""
+        self.tracker.log_metrics(
+            slot.run_id,
+            _curve_rows(slot.curve) + _intermediate_rows(slot.intermediate, self.tasks[slot.request.task].metric),
+        )
+        self.tracker.set_tags(slot.run_id, {**self._end_tags(slot, "PRUNED"), "plora.pruned_at_step": str(step)})
+        self.tracker.end_trial(slot.run_id, "KILLED")
+        return self._outcome(slot, pack_id, stats, value=slot.intermediate[-1][1], pruned_at=step)
+
+    def failed_outcome(self, slot: _Slot, pack_id: str, reason: str, stats: PackStats) -> TrialOutcome:
+        """A trial that left its pack non-finite (or out of memory alone): curve and reason, run FAILED."""
+        self.tracker.log_metrics(slot.run_id, _curve_rows(slot.curve))
+        self.tracker.set_tags(slot.run_id, {**self._end_tags(slot, "FAIL"), "plora.fail_reason": reason})
+        self.tracker.end_trial(slot.run_id, "FAILED")
+        return self._outcome(slot, pack_id, stats, value=math.nan, fail_reason=reason)
+
+    def abandon(self, run_id: str) -> None:
+        """A trial that met an unexpected error: its run ends FAILED (its trial gets the error)."""
         self.tracker.end_trial(run_id, "FAILED")
+
+    @staticmethod
+    def _end_tags(slot: _Slot, state: str) -> dict[str, str]:
+        return {"plora.state": state, "plora.resumed_from_step": str(slot.resumed_from)}
+
+    @staticmethod
+    def _outcome(slot: _Slot, pack_id: str, stats: PackStats, **fields: Any) -> TrialOutcome:
         return TrialOutcome(
-            request=request,
-            value=math.nan,
-            metrics={},
-            losses=[loss for _, loss, _ in losses[request.adapter_id]],
-            run_id=run_id,
-            adapter_dir=None,
+            request=slot.request,
+            metrics=fields.pop("metrics", {}),
+            losses=[loss for _, loss, _ in slot.curve],
+            run_id=slot.run_id,  # a placeholder if created during an MLflow outage: see SweepTracker.resolve
+            adapter_dir=fields.pop("adapter_dir", None),
             pack_id=pack_id,
             tokens_per_second=stats.tokens_per_second,
-            fail_reason=reason,
+            resumed_from=slot.resumed_from,
+            intermediate=list(slot.intermediate),
+            **fields,
         )
+
+
+def checkpoint_dir(run_dir: Path, config: SweepConfig, task: str) -> Path:
+    return run_dir / "checkpoints" / f"{config.name}-{task}"
 
 
 def _curve_rows(steps: list[tuple[int, float, float]]) -> list[tuple[str, float, int]]:
@@ -389,6 +370,10 @@ def _curve_rows(steps: list[tuple[int, float, float]]) -> list[tuple[str, float,
     return [("train_loss", loss, step) for step, loss, _ in steps] + [
         ("learning_rate", lr, step) for step, _, lr in steps
     ]
+
+
+def _intermediate_rows(scores: list[tuple[int, float]], metric: str) -> list[tuple[str, float, int]]:
+    return [(f"intermediate_{_metric_key(metric)}", value, step) for step, value in scores]
 
 
 def _metric_key(lm_eval_key: str) -> str:

@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_data_dir() -> Path | None:
     """The real GSM8K/GLUE copies: $PLORA_HPO_TEST_DATA, else ../shared/data beside the repo."""
-    path = Path(os.environ.get("PLORA_HPO_TEST_DATA", REPO.parent / "shared" / "data"))
+    path = Path(os.environ.get("PLORA_HPO_TEST_DATA", REPO.parent / "shared" / "data")).resolve()
     return path if path.is_dir() else None
 
 
@@ -58,10 +58,20 @@ class MlflowServer:
     def start(self, timeout: float = 90.0) -> None:
         self.process = subprocess.Popen(
             [
-                sys.executable, "-m", "mlflow", "server",
-                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
-                "--artifacts-destination", str(self.root / "artifacts"),
-                "--host", "127.0.0.1", "--port", str(self.port), "--workers", "1",
+                sys.executable,
+                "-m",
+                "mlflow",
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.root / 'mlflow.db'}",
+                "--artifacts-destination",
+                str(self.root / "artifacts"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
             ],
             stdout=subprocess.DEVNULL,
             start_new_session=True,  # its own process group, so stop() ends the workers too

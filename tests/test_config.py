@@ -67,3 +67,18 @@ def test_yaml_syntax_error_reports_line_and_column(tmp_path):
 def test_missing_file(tmp_path):
     with pytest.raises(ConfigError, match="no such sweep file"):
         load_sweep(tmp_path / "nope.yaml")
+
+
+def test_cli_overrides_reach_nested_keys_and_errors_name_the_flag():
+    config = load_sweep(SPACES / "demo.yaml", {"pack.size": 2, "n_trials": 3, "model": None})
+    assert config.pack.size == 2 and config.n_trials == 3 and config.model == "smollm2-135m"
+    assert config.pack.gather_seconds == _base()["pack"]["gather_seconds"]  # the rest of pack: kept
+    with pytest.raises(ConfigError, match=r"^--pack-size: .*greater than 0 \(got 0\); pass a positive --pack-size$"):
+        load_sweep(SPACES / "demo.yaml", {"pack.size": 0})
+
+
+def test_directory_and_empty_file(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory, not a sweep file"):
+        load_sweep(tmp_path)
+    with pytest.raises(ConfigError, match="the file is empty; start from"):
+        load_sweep(_write(tmp_path, ""))

@@ -6,15 +6,19 @@ batch belong to which adapter, so one forward pass of the base serves every adap
 adapter touches only its own rows (gradients stay isolated).
 
 Packed storage (the trainer's fast path): :meth:`PackedLoraModel.pack` moves the fp32 factors of
-the adapters being trained into one contiguous ``A`` (Σr × d_in) and one ``Bᵀ`` (Σr × d_out)
-buffer per layer, in pack order. Each adapter's ``lora_A``/``lora_B`` parameter stays what the
-optimizer, clipping and export see, but becomes a view into that buffer, and its ``.grad`` a view
-into the buffer's gradient. A forward whose route lists exactly the packed adapters in that order
-then hands the kernel one (A, B) pair per layer — cast once to the activations' dtype (bf16 on the
-GPU; fp32 masters stay with the optimizer) — instead of concatenating K adapters' factors and
-accumulating K separate gradients per layer call. Any other route (evaluation, a different
-order) concatenates per call as before; both paths compute the same function and write the same
-gradients.
+the adapters being trained into one buffer of every layer's factors, one contiguous row block per
+adapter (:class:`_Pack`). Each adapter's row block is its *flat parameter*
+(:meth:`PackedLoraModel.flat_parameters`; one tensor per chunk of layers, usually one): what its
+optimizer group, gradient norm and clipping see, so a step's AdamW, norms and clipping run on a
+few flat tensors per adapter instead of layers × 2.
+Its per-layer ``lora_A``/``lora_B`` parameters (what export and evaluation see) are views into it.
+Once per step the whole buffer is cast to the activations' dtype in one kernel (bf16 on the GPU);
+a layer hands the kernel strided column slices of that copy (its A_cat and Bᵀ_cat, no copies),
+and the kernels' weight gradients are added into the fp32 gradient buffer by hooks (one kernel
+per layer and factor; no per-layer casts either way). A forward whose route lists exactly the
+packed adapters in that order, while the copy is fresh, takes this path; any other route
+(evaluation, a different order) concatenates the per-layer parameters per call as before. Both
+paths compute the same function and put the same gradients on the adapters.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.utils.checkpoint
@@ -34,6 +38,10 @@ from plora_hpo.adapter import AdapterConfig
 from plora_hpo.kernels import SegmentLayout, packed_lora_add
 
 _LAYOUT_CACHE_SIZE = 256
+# The kernels address weights with 32-bit offsets (rank row × row stride): a pack buffer holds at
+# most 2^31 elements, so layers are grouped into buffers ("chunks") of at most this many columns,
+# which leaves room for Σr up to 8192 ranks per pack.
+_CHUNK_COLUMNS = 2**31 // 8192
 
 
 @dataclass
@@ -81,12 +89,37 @@ class Router:
 
 
 @dataclass
-class _LayerPack:
-    """One layer's packed adapters: fp32 leaves whose rows are the adapters' A and Bᵀ."""
+class _LayerSlot:
+    """One layer's view of the model's pack: autograd leaves over the compute copy."""
 
     ids: tuple[str, ...]
-    a: torch.Tensor  # (Σr, d_in)
-    bt: torch.Tensor  # (Σr, d_out); adapter k's B is bt[r0:r1].t()
+    a: torch.Tensor  # (Σr, d_in) leaf, a strided view of the pack's compute copy
+    b: torch.Tensor  # (d_out, Σr) leaf (transposed view): adapter k's B is b[:, r0:r1]
+    pack: _Pack
+
+
+@dataclass
+class _Pack:
+    """The trained adapters' factors of every layer in one fp32 buffer, one row block per adapter.
+
+    The layers are grouped into a few chunks (32-bit kernel offsets, see ``_CHUNK_COLUMNS``);
+    each chunk is one buffer ``master[c]`` (Σr × W_c). Row ``i`` belongs to one adapter; its
+    columns hold, layer after layer of the chunk, that rank row of A (``d_in`` values) and of
+    Bᵀ (``d_out`` values). Adapter k's rows of a chunk are one contiguous block: its flat
+    parameter for that chunk (what the optimizer, clipping and norms see). A layer's
+    ``A_cat``/``Bᵀ_cat`` are strided column slices, handed to the kernels without copies.
+    ``compute`` is ``master`` cast to the activations' dtype once per step (``master`` itself
+    when no cast is needed); gradients land in ``grad`` (fp32, same layout) through hooks.
+    """
+
+    ids: tuple[str, ...]
+    row_offsets: tuple[int, ...]
+    master: list[torch.Tensor]
+    grad: list[torch.Tensor]
+    row_adapter: torch.Tensor  # (Σr,) int64 on the device: the pack slot of each row
+    compute: list[torch.Tensor] | None = None
+    fresh: bool = False  # compute holds master's current values (set by refresh, cleared by stale)
+    hooks: list = field(default_factory=list)
 
 
 class PackedLoraLinear(nn.Module):
@@ -98,7 +131,9 @@ class PackedLoraLinear(nn.Module):
         self.router = router
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
-        self._pack: _LayerPack | None = None
+        self._slot: _LayerSlot | None = None
+        self.chunk = 0  # which pack buffer holds this layer's factors
+        self.col_a = 0  # this layer's first column in a pack row (A: d_in columns, then Bᵀ: d_out)
 
     @property
     def in_features(self) -> int:
@@ -122,77 +157,21 @@ class PackedLoraLinear(nn.Module):
         del self.lora_A[adapter_id]
         del self.lora_B[adapter_id]
 
-    # --- packed storage -------------------------------------------------------------------
-    def pack(self, adapter_ids: tuple[str, ...]) -> None:
-        """Move these adapters' factors into contiguous buffers (their parameters become views)."""
-        self.unpack()
-        if not adapter_ids:
-            return
-        first = self.lora_A[adapter_ids[0]]
-        ranks = [self.lora_A[i].shape[0] for i in adapter_ids]
-        total = sum(ranks)
-        a = torch.empty(total, self.in_features, dtype=first.dtype, device=first.device)
-        bt = torch.empty(total, self.out_features, dtype=first.dtype, device=first.device)
-        a_grad, bt_grad = torch.zeros_like(a), torch.zeros_like(bt)
-        start = 0
-        with torch.no_grad():
-            for adapter_id, rank in zip(adapter_ids, ranks):
-                pa, pb = self.lora_A[adapter_id], self.lora_B[adapter_id]
-                rows = slice(start, start + rank)
-                a[rows].copy_(pa.data)
-                bt[rows].copy_(pb.data.t())
-                pa.data = a[rows]
-                pb.data = bt[rows].t()
-                pa.grad = a_grad[rows]
-                pb.grad = bt_grad[rows].t()
-                start += rank
-        a.requires_grad_(True)
-        bt.requires_grad_(True)
-        a.grad, bt.grad = a_grad, bt_grad
-        self._pack = _LayerPack(tuple(adapter_ids), a, bt)
+    # --- packed storage (set up by PackedLoraModel.pack) -------------------------------------
+    @property
+    def col_b(self) -> int:
+        return self.col_a + self.in_features
 
-    def unpack(self) -> None:
-        """Give every packed adapter its own storage again (values kept, gradients dropped)."""
-        pack, self._pack = self._pack, None
-        if pack is None:
-            return
-        with torch.no_grad():
-            for adapter_id in pack.ids:
-                if adapter_id in self.lora_A:
-                    for p in (self.lora_A[adapter_id], self.lora_B[adapter_id]):
-                        p.data = p.data.clone()
-                        p.grad = None
+    @property
+    def width(self) -> int:
+        return self.in_features + self.out_features
 
-    def pack_intact(self) -> bool:
-        """Whether the packed adapters' parameters still alias the packed buffers (nobody
-        re-pointed ``.data``, e.g. adapter paging during evaluation)."""
-        pack = self._pack
-        if pack is None:
-            return False
-        first, last = pack.ids[0], pack.ids[-1]
-        rank_last = self.lora_A[last].shape[0] if last in self.lora_A else -1
-        return (
-            first in self.lora_A
-            and self.lora_A[first].data_ptr() == pack.a.data_ptr()
-            and self.lora_B[first].data_ptr() == pack.bt.data_ptr()
-            and rank_last > 0
-            and self.lora_A[last].data_ptr()
-            == pack.a.data_ptr() + (pack.a.shape[0] - rank_last) * pack.a.stride(0) * pack.a.element_size()
-        )
-
-    def packed_grads(self) -> list[torch.Tensor]:
-        return [] if self._pack is None else [self._pack.a.grad, self._pack.bt.grad]
-
-    # --- forward ----------------------------------------------------------------------------
     def _weights(self, route: Route, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(A_cat: Σr × d_in, B_cat: d_out × Σr) for the route's adapters, in the compute dtype."""
+        slot = self._slot
+        if slot is not None and slot.pack.fresh and route.adapter_ids == slot.ids:
+            return slot.a, slot.b  # leaves over the pack's compute copy; their grads go to pack.grad
         cast = self.router.cast_adapters and dtype.is_floating_point
-        pack = self._pack
-        if pack is not None and route.adapter_ids == pack.ids:
-            if cast and pack.a.dtype != dtype:
-                # once per layer call, differentiable: the gradient flows back to the fp32 leaves
-                return pack.a.to(dtype), pack.bt.t().to(dtype, memory_format=torch.contiguous_format)
-            return pack.a, pack.bt.t()
         a_parts = [self.lora_A[i] for i in route.adapter_ids]
         b_parts = [self.lora_B[i] for i in route.adapter_ids]
         if cast and a_parts[0].dtype != dtype:
@@ -215,6 +194,17 @@ class PackedLoraLinear(nn.Module):
             route.layout(tokens_per_row),
         )
         return out.view_as(y)
+
+
+def _into(grad_view: torch.Tensor):
+    """Post-accumulate hook of a compute-copy leaf: add its gradient into the fp32 pack gradient
+    (one kernel, any dtype) and drop it, so no per-layer gradient outlives the backward."""
+
+    def hook(leaf: torch.Tensor) -> None:
+        grad_view.add_(leaf.grad)
+        leaf.grad = None
+
+    return hook
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -257,7 +247,8 @@ class PackedLoraModel:
         self.router = Router()
         self.configs: dict[str, AdapterConfig] = {}
         self._layouts: OrderedDict = OrderedDict()
-        self._packed_ids: tuple[str, ...] = ()
+        self._pack: _Pack | None = None
+        self._flat: dict[str, nn.Parameter] = {}
         self._checkpointing = False
         for p in model.parameters():
             p.requires_grad_(False)
@@ -270,6 +261,12 @@ class PackedLoraModel:
                 self.layers[name] = packed
         if not self.layers:
             raise ValueError(f"no nn.Linear named {list(self.target_modules)} in {type(model).__name__}")
+        self.chunk_widths: list[int] = [0]  # W_c: columns of one rank row of each chunk
+        for layer in self.layers.values():
+            if self.chunk_widths[-1] and self.chunk_widths[-1] + layer.width > _CHUNK_COLUMNS:
+                self.chunk_widths.append(0)
+            layer.chunk, layer.col_a = len(self.chunk_widths) - 1, self.chunk_widths[-1]
+            self.chunk_widths[-1] += layer.width
 
     @property
     def adapter_ids(self) -> list[str]:
@@ -285,49 +282,235 @@ class PackedLoraModel:
         self.configs[adapter_id] = config
 
     def remove_adapter(self, adapter_id: str) -> None:
-        if adapter_id in self._packed_ids:
+        if adapter_id in self.packed_ids:
             self.unpack()
         for layer in self.layers.values():
             layer.remove_adapter(adapter_id)
+        self._flat.pop(adapter_id, None)
         del self.configs[adapter_id]
 
     # --- packed storage -------------------------------------------------------------------
     @property
+    def current_pack(self) -> _Pack | None:
+        """The pack (its buffers and row layout), if any."""
+        return self._pack
+
+    @property
     def packed_ids(self) -> tuple[str, ...]:
         """Adapters in packed storage, in pack order (empty: none)."""
-        return self._packed_ids
+        return () if self._pack is None else self._pack.ids
+
+    def _views(self, buffers: Sequence[torch.Tensor], layer: PackedLoraLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A, B) of one layer inside rows of the pack layout: A (r × d_in), B (d_out × r)."""
+        buffer = buffers[layer.chunk]
+        return buffer[:, layer.col_a : layer.col_b], buffer[:, layer.col_b : layer.col_a + layer.width].t()
+
+    def _point(self, adapter_id: str, buffer: Sequence[torch.Tensor]) -> None:
+        """Make the adapter's per-layer parameters views of ``buffer`` (its rows, pack layout)."""
+        for layer in self.layers.values():
+            a, b = self._views(buffer, layer)
+            layer.lora_A[adapter_id].data = a
+            layer.lora_B[adapter_id].data = b
+
+    def _aliases(self, adapter_id: str, buffers: Sequence[torch.Tensor]) -> bool:
+        """Whether every per-layer parameter of the adapter is the expected view of ``buffers``."""
+        for layer in self.layers.values():
+            buffer = buffers[layer.chunk]
+            base, size = buffer.data_ptr(), buffer.element_size()
+            a, b = layer.lora_A[adapter_id], layer.lora_B[adapter_id]
+            if (
+                a.data_ptr() != base + layer.col_a * size
+                or b.data_ptr() != base + layer.col_b * size
+                or a.stride() != (buffer.stride(0), 1)
+                or b.stride() != (1, buffer.stride(0))
+            ):
+                return False
+        return True
+
+    def flat_parameters(self, adapter_id: str) -> list[nn.Parameter]:
+        """The adapter's factors as a few contiguous ``(rank, W_c)`` fp32 parameters, one per
+        chunk of layers (pack layout; one for most models).
+
+        Its per-layer ``lora_A``/``lora_B`` parameters become views of them, so a handful of
+        optimizer parameters (and one gradient norm) cover the whole adapter. The objects stay
+        the same across packing and unpacking (optimizer state keyed by them stays valid); if
+        something re-pointed the per-layer parameters (adapter paging), their values are
+        gathered again.
+        """
+        flats = self._flat.get(adapter_id)
+        rank = self.configs[adapter_id].rank
+        if flats is not None and flats[0].shape[0] == rank and self._aliases(adapter_id, flats):
+            return flats
+        first = self.layers[next(iter(self.layers))].lora_A[adapter_id]
+        buffers = [torch.empty(rank, w, dtype=first.dtype, device=first.device) for w in self.chunk_widths]
+        with torch.no_grad():
+            for layer in self.layers.values():
+                a, b = self._views(buffers, layer)
+                a.copy_(layer.lora_A[adapter_id])
+                b.copy_(layer.lora_B[adapter_id])
+        self._point(adapter_id, buffers)
+        if flats is None:
+            flats = [nn.Parameter(buffer, requires_grad=False) for buffer in buffers]
+            self._flat[adapter_id] = flats
+        else:
+            for flat, buffer in zip(flats, buffers):
+                flat.data = buffer
+        return flats
+
+    def separate(self, adapter_id: str) -> None:
+        """Give each per-layer parameter of the adapter its own contiguous storage (values kept)
+        and forget its flat parameters: for optimizers that hold per-layer parameters (fused
+        AdamW wants a parameter's gradient and state in its own, dense layout)."""
+        if adapter_id in self.packed_ids:
+            self.unpack()
+        with torch.no_grad():
+            for layer in self.layers.values():
+                for p in (layer.lora_A[adapter_id], layer.lora_B[adapter_id]):
+                    if not p.is_contiguous():
+                        p.data = p.data.contiguous()
+                        p.grad = None
+        self._flat.pop(adapter_id, None)
 
     def pack(self, adapter_ids: Sequence[str]) -> None:
-        """Put these adapters (in this order) into contiguous per-layer buffers; see module doc.
+        """Put these adapters (in this order) into the pack buffers; see :class:`_Pack`.
 
-        Their parameters keep their values and identity (optimizer state stays valid); their
-        gradients become views of the packed gradient buffers, which the caller zeroes in place
-        (:meth:`zero_packed_grads`) rather than setting to None.
+        Their flat parameters (:meth:`flat_parameters`) keep their identity and values (optimizer
+        state stays valid) and become row blocks of the pack; their gradients become row blocks
+        of the pack's gradient buffers, which the caller zeroes in place (:meth:`zero_packed_grads`)
+        rather than setting to None. Per-layer parameters stay views (their ``.grad`` is unused).
         """
         ids = tuple(adapter_ids)
         unknown = [a for a in ids if a not in self.configs]
         if unknown or len(set(ids)) != len(ids):
             raise ValueError(f"cannot pack {list(ids)}: unknown or repeated adapters {unknown}")
-        for layer in self.layers.values():
-            layer.pack(ids)
-        self._packed_ids = ids
+        self.unpack()
+        if not ids:
+            return
+        flats = [self.flat_parameters(a) for a in ids]
+        offsets = [0]
+        for chunks in flats:
+            offsets.append(offsets[-1] + chunks[0].shape[0])
+        if offsets[-1] * max(self.chunk_widths) >= 2**31:
+            raise ValueError(
+                f"a pack of total rank {offsets[-1]} is too large for packed storage (32-bit kernel "
+                f"offsets); pack fewer adapters or train with packed_storage=False"
+            )
+        like = flats[0][0]
+        master = [torch.empty(offsets[-1], w, dtype=like.dtype, device=like.device) for w in self.chunk_widths]
+        grad = [torch.zeros_like(m) for m in master]
+        with torch.no_grad():
+            for adapter_id, chunks, r0, r1 in zip(ids, flats, offsets, offsets[1:]):
+                rows = [m[r0:r1] for m in master]
+                for flat, m, g in zip(chunks, master, grad):
+                    m[r0:r1].copy_(flat)
+                    flat.data = m[r0:r1]
+                    flat.grad = g[r0:r1]
+                self._point(adapter_id, rows)
+        slots = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([c[0].shape[0] for c in flats]))
+        self._pack = _Pack(ids, tuple(offsets), master, grad, slots.to(like.device))
 
     def unpack(self) -> None:
+        """Give every packed adapter its own storage again (values kept, gradients dropped)."""
+        pack, self._pack = self._pack, None
+        if pack is None:
+            return
+        for handle in pack.hooks:
+            handle.remove()
         for layer in self.layers.values():
-            layer.unpack()
-        self._packed_ids = ()
+            layer._slot = None
+        with torch.no_grad():
+            for adapter_id, r0, r1 in zip(pack.ids, pack.row_offsets, pack.row_offsets[1:]):
+                flats = self._flat.get(adapter_id)
+                if flats is None or adapter_id not in self.configs:
+                    continue
+                old = [m[r0:r1] for m in pack.master]
+                for flat, rows in zip(flats, old):
+                    flat.grad = None
+                    if flat.data_ptr() == rows.data_ptr():
+                        flat.data = flat.data.clone()
+                # parameters re-pointed from outside keep their own values (gathered on next use)
+                self._point_missing(adapter_id, old, [f.data for f in flats])
+
+    def _point_missing(self, adapter_id: str, old: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
+        """Re-point only the per-layer parameters that still alias ``old`` to the same views of ``new``."""
+        for layer in self.layers.values():
+            (a_old, b_old), (a_new, b_new) = self._views(old, layer), self._views(new, layer)
+            if layer.lora_A[adapter_id].data_ptr() == a_old.data_ptr():
+                layer.lora_A[adapter_id].data = a_new
+            if layer.lora_B[adapter_id].data_ptr() == b_old.data_ptr():
+                layer.lora_B[adapter_id].data = b_new
 
     def pack_intact(self, adapter_ids: Sequence[str]) -> bool:
-        """Whether ``adapter_ids`` are packed in this order and still alias the buffers."""
-        return tuple(adapter_ids) == self._packed_ids and all(layer.pack_intact() for layer in self.layers.values())
+        """Whether ``adapter_ids`` are packed in this order and still alias the buffers.
+
+        Cheap (every step): checks each packed adapter's flat parameters and the first and last
+        packed adapters' per-layer parameters (adapter paging re-points whole adapters).
+        """
+        pack = self._pack
+        if pack is None or tuple(adapter_ids) != pack.ids:
+            return False
+        for adapter_id, r0 in zip(pack.ids, pack.row_offsets):
+            flats = self._flat.get(adapter_id)
+            if flats is None or any(f.data_ptr() != m[r0].data_ptr() for f, m in zip(flats, pack.master)):
+                return False
+        for adapter_id, r0 in {pack.ids[0]: pack.row_offsets[0], pack.ids[-1]: pack.row_offsets[-2]}.items():
+            for layer in self.layers.values():
+                m = pack.master[layer.chunk]
+                row, size = m[r0].data_ptr(), m.element_size()
+                if (
+                    layer.lora_A[adapter_id].data_ptr() != row + layer.col_a * size
+                    or layer.lora_B[adapter_id].data_ptr() != row + layer.col_b * size
+                ):
+                    return False
+        return True
+
+    def refresh_compute(self, dtype: torch.dtype | None = None) -> None:
+        """Cast the pack's fp32 master into its compute copy (one kernel) and mark it fresh.
+
+        ``dtype`` defaults to the base model's (bf16 on the GPU); with the router's
+        ``cast_adapters`` off, or when the dtypes match, the compute copy is the master itself.
+        The layers use the pack only while it is fresh (the trainer refreshes at the start of each
+        step and calls :meth:`mark_stale` after the update); otherwise they concatenate the
+        per-layer parameters, which always see the current values.
+        """
+        pack = self._pack
+        if pack is None:
+            return
+        if dtype is None:
+            dtype = next(iter(self.layers.values())).base.weight.dtype
+        if not (self.router.cast_adapters and dtype.is_floating_point):
+            dtype = pack.master[0].dtype
+        if pack.compute is None or pack.compute[0].dtype != dtype:
+            self._build_compute(pack, dtype)
+        elif pack.compute is not pack.master:
+            with torch.no_grad():
+                torch._foreach_copy_(pack.compute, pack.master)
+        pack.fresh = True
+
+    def _build_compute(self, pack: _Pack, dtype: torch.dtype) -> None:
+        for handle in pack.hooks:
+            handle.remove()
+        pack.hooks = []
+        pack.compute = pack.master if dtype == pack.master[0].dtype else [m.to(dtype) for m in pack.master]
+        for layer in self.layers.values():
+            a_view, b_view = self._views(pack.compute, layer)
+            a_leaf, b_leaf = a_view.detach().requires_grad_(), b_view.detach().requires_grad_()
+            a_grad, b_grad = self._views(pack.grad, layer)
+            pack.hooks.append(a_leaf.register_post_accumulate_grad_hook(_into(a_grad)))
+            pack.hooks.append(b_leaf.register_post_accumulate_grad_hook(_into(b_grad)))
+            layer._slot = _LayerSlot(pack.ids, a_leaf, b_leaf, pack)
+
+    def mark_stale(self) -> None:
+        """The master changed (optimizer step): layers stop using the compute copy until refreshed."""
+        if self._pack is not None:
+            self._pack.fresh = False
 
     def packed_grads(self) -> list[torch.Tensor]:
-        return [g for layer in self.layers.values() for g in layer.packed_grads()]
+        return [] if self._pack is None else list(self._pack.grad)
 
     def zero_packed_grads(self) -> None:
-        grads = self.packed_grads()
-        if grads:
-            torch._foreach_zero_(grads)
+        if self._pack is not None:
+            torch._foreach_zero_(self._pack.grad)
 
     # --- activation checkpointing -----------------------------------------------------------
     @property
@@ -366,6 +549,7 @@ class PackedLoraModel:
         with torch.no_grad():
             for key, value in self.state_dict_of(adapter_id).items():
                 value.copy_(tensors[key])
+        self.mark_stale()
 
     @contextmanager
     def route(

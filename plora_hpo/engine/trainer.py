@@ -129,8 +129,10 @@ class PackedTrainer:
             inputs, at the cost of a second forward).
         fused_elementwise: fused RMSNorm and SwiGLU (:mod:`plora_hpo.engine.fused`); ``None``
             means on for CUDA, off elsewhere.
-        packed_storage: keep the trained adapters' factors in contiguous per-layer buffers (one
-            kernel input per layer instead of K; see :mod:`plora_hpo.engine.packed_lora`).
+        packed_storage: keep the trained adapters' factors in one packed buffer, one flat
+            parameter per adapter (one kernel input per layer instead of K, one bf16 cast per
+            step, and AdamW / gradient norms / clipping on K flat tensors; see
+            :mod:`plora_hpo.engine.packed_lora`). Off: per-layer parameters, per-call casts.
         loss_chunk_tokens: rows per LM-head chunk of the loss.
     """
 
@@ -192,11 +194,13 @@ class PackedTrainer:
             raise ValueError(f"{job.adapter_id} is already training in this pack")
         if job.adapter_id not in self.packed.configs:
             self.packed.add_adapter(job.adapter_id, job.config)
-        group = {
-            "params": self.packed.parameters_of(job.adapter_id),
-            "lr": job.config.learning_rate,
-            "adapter_id": job.adapter_id,
-        }
+        # packed storage: one flat parameter per adapter (and chunk of layers); else per-layer ones
+        if self.packed_storage:
+            params = list(self.packed.flat_parameters(job.adapter_id))
+        else:
+            self.packed.separate(job.adapter_id)  # dense per-layer storage, not views of a flat one
+            params = self.packed.parameters_of(job.adapter_id)
+        group = {"params": params, "lr": job.config.learning_rate, "adapter_id": job.adapter_id}
         for p in group["params"]:
             p.requires_grad_(True)
         if self.optimizer is None:
@@ -255,8 +259,49 @@ class PackedTrainer:
         )
 
     def _ensure_packed(self) -> None:
-        if self.packed_storage and not self.packed.pack_intact(self.active):
+        if not self.packed_storage:
+            return
+        if not self.packed.pack_intact(self.active):
             self.packed.pack(self.active)
+            self._sync_flat_params()
+        self.packed.refresh_compute()  # this step's bf16 copy of every adapter: one cast kernel
+
+    def _sync_flat_params(self) -> None:
+        """After a repack, make sure each group holds its adapter's flat parameter (the same
+        object unless the adapter's storage was rebuilt from its per-layer parameters)."""
+        assert self.optimizer is not None
+        for group in self.optimizer.param_groups:
+            flats = self.packed.flat_parameters(group["adapter_id"])
+            for i, flat in enumerate(flats):
+                if group["params"][i] is not flat:
+                    state = self.optimizer.state.pop(group["params"][i], None)
+                    group["params"][i] = flat
+                    if state is not None:
+                        self.optimizer.state[flat] = state
+                flat.requires_grad_(True)
+
+    def _clip_packed(self, ids: list[str]) -> dict[str, torch.Tensor]:
+        """Per-adapter gradient norms, and clipping, on the adapters' flat gradients (a few
+        launches for the whole pack instead of a clip_grad_norm_ call per adapter)."""
+        assert self.optimizer is not None
+        groups = {g["adapter_id"]: g for g in self.optimizer.param_groups}
+        grads = [p.grad for a in ids for p in groups[a]["params"]]
+        chunks = len(grads) // len(ids)
+        # like clip_grad_norm_: the norm of the per-tensor norms, per adapter
+        norms = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).view(len(ids), chunks), dim=1)
+        max_norm = self.settings.max_grad_norm
+        if max_norm is not None:
+            # clip_grad_norm_'s coefficient, per adapter
+            coefs = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
+            pack = self.packed.current_pack
+            if pack is not None and tuple(ids) == pack.ids:  # one kernel: each row times its adapter's
+                row_coefs = coefs.index_select(0, pack.row_adapter).unsqueeze(1)
+                for grad in pack.grad:
+                    grad.mul_(row_coefs)
+            else:
+                for g, coef in enumerate(coefs.unbind()):
+                    torch._foreach_mul_(grads[g * chunks : (g + 1) * chunks], coef)
+        return dict(zip(ids, norms.unbind()))
 
     def _forward_backward(self, mb: MicroBatch, normalizers: torch.Tensor) -> torch.Tensor:
         """One micro-batch: per-adapter loss contributions (detached), gradients accumulated."""
@@ -303,6 +348,7 @@ class PackedTrainer:
             losses += self._forward_backward(mb, normalizers)
 
         lrs, norms = {}, []
+        flat_norms = self._clip_packed(ids) if self.packed_storage else None
         for group in self.optimizer.param_groups:
             adapter_id = group["adapter_id"]
             job = self.jobs[adapter_id]
@@ -314,6 +360,9 @@ class PackedTrainer:
             )
             group["lr"] = job.config.learning_rate * factor
             lrs[adapter_id] = group["lr"]
+            if flat_norms is not None:
+                norms.append(flat_norms[adapter_id])
+                continue
             params = [p for p in group["params"] if p.grad is not None]
             if self.settings.max_grad_norm is not None:
                 norm = torch.nn.utils.clip_grad_norm_(params, self.settings.max_grad_norm, foreach=True)
@@ -334,6 +383,7 @@ class PackedTrainer:
             self._drop_group(adapter_id)
         if self.optimizer.param_groups:
             self.optimizer.step()
+        self.packed.mark_stale()  # the bf16 copy is recast at the next step
         if self.packed.packed_ids:
             self.packed.zero_packed_grads()  # in place: the parameters' grads are views of these
         else:

@@ -17,10 +17,12 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plora_hpo.engine.packed_lora import PackedLoraModel
 from plora_hpo.evaluation._model import (
@@ -31,10 +33,32 @@ from plora_hpo.evaluation._model import (
     run_lengths,
 )
 from plora_hpo.evaluation.attention import folded_decode_attention
+from plora_hpo.evaluation.frozen import frozen_adapter_weights, full_route
 from plora_hpo.evaluation.kv_cache import RowKVCache, assemble
 from plora_hpo.evaluation.residency import AdapterResidency
 
 Decode = Callable[[list[list[int]]], list[str]]
+
+# Forwards of at most this many tokens (decode steps: one per row) apply the adapters as two
+# dense GEMMs on the GPU (plora_hpo.evaluation.frozen): fewer launches, no per-call planning.
+DENSE_MAX_TOKENS = 1024
+
+
+def _dense_tokens(device: torch.device) -> int:
+    """The dense path's token cap: on CUDA only (on the CPU the segment path is kept, bit for bit)."""
+    return DENSE_MAX_TOKENS if device.type == "cuda" else 0
+
+
+@contextmanager
+def _attention_backends(device: torch.device) -> Iterator[None]:
+    """On CUDA, SDPA without its cuDNN backend: profiled on an H200, cuDNN spent ~1.8 ms of host
+    time per attention call when the key length is new, as it is at every decode step; the flash
+    and memory-efficient kernels launch directly. Elsewhere: unchanged."""
+    if device.type != "cuda":
+        yield
+        return
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
 
 
 @dataclass(frozen=True)
@@ -57,6 +81,8 @@ class GenerationStats:
     admissions: int = 0
     peak_rows: int = 0
     seconds: float = 0.0
+    prefill_seconds: float = 0.0  # host wall time in prefill forwards (each ends in a device sync)
+    decode_seconds: float = 0.0  # host wall time in decode steps (each ends in a device sync)
 
 
 class StopWindows:
@@ -148,7 +174,15 @@ def generate_greedy(
         stats=stats,
         progress=progress,
     )
-    with torch.no_grad(), folded_decode_attention(packed.model):
+    paging = residency is not None and residency.paging
+    dense = _dense_tokens(engine.device)
+    with (
+        torch.no_grad(),
+        folded_decode_attention(packed.model),
+        _attention_backends(engine.device),
+        frozen_adapter_weights(packed, engine.order, enabled=not paging, dense_max_tokens=dense) as frozen,
+    ):
+        engine.frozen = frozen
         engine.run()
     stats.seconds += time.perf_counter() - started
     return engine.outputs
@@ -180,7 +214,9 @@ class _Engine:
         self.decoder, self.head = decoder_of(model), model.get_output_embeddings()
         self.device = model_device(model)
         self.layers = num_decoder_layers(model)
-        self.rank_of = {a: i for i, a in enumerate(dict.fromkeys(j.adapter_id for j in jobs))}
+        self.order = list(dict.fromkeys(j.adapter_id for j in jobs))
+        self.rank_of = {a: i for i, a in enumerate(self.order)}
+        self.frozen = False  # routes list every adapter (prebuilt factors) instead of those present
         self.queue = deque(range(len(jobs)))
         self.outputs: list[list[int]] = [[] for _ in jobs]
         self.batch = _Batch()
@@ -270,39 +306,47 @@ class _Engine:
             start = end
         return out
 
+    def _groups(self, row_adapters: list[str]) -> list[tuple[str, int]]:
+        """Route groups for rows grouped by adapter: every adapter (prebuilt factors) or those present."""
+        return full_route(row_adapters, self.order) if self.frozen else run_lengths(row_adapters)
+
     def _prefill_chunk(self, chunk: list[int], width: int) -> tuple[RowKVCache, torch.Tensor]:
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, j in enumerate(chunk):
-            prompt = self.jobs[j].prompt
-            ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            mask[row, width - len(prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        started = time.perf_counter()
+        prompts = [self.jobs[j].prompt for j in chunk]
+        ids = torch.tensor([(0,) * (width - len(p)) + p for p in prompts], dtype=torch.long)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], dtype=torch.long)
+        ids, mask = ids.to(self.device, non_blocking=True), mask.to(self.device, non_blocking=True)
         positions = (mask.cumsum(-1) - 1).clamp_min(0)
         cache = RowKVCache(self.layers)
-        with self.packed.route(run_lengths(self.jobs[j].adapter_id for j in chunk)):
+        with self.packed.route(self._groups([self.jobs[j].adapter_id for j in chunk])):
             hidden = hidden_states(self.decoder, ids, attention_mask=mask, position_ids=positions, cache=cache)
         cache.real_len = mask.sum(-1)
         pad = mask == 0
         if pad.any():
             for layer in cache.layers:
                 layer.zero_columns(pad)
+        first = self.head(hidden[:, -1]).argmax(dim=-1)
         self.stats.prefill_forwards += 1
-        self.stats.prefill_tokens += int(cache.real_len.sum())
-        return cache, self.head(hidden[:, -1]).argmax(dim=-1)
+        self.stats.prefill_tokens += sum(map(len, prompts))
+        if first.is_cuda:
+            torch.cuda.synchronize(first.device)  # so prefill_seconds is device time, not launch time
+        self.stats.prefill_seconds += time.perf_counter() - started
+        return cache, first
 
     def _decode_step(self) -> None:
+        started = time.perf_counter()
         batch = self.batch
         cache = batch.cache
         mask = cache.attention_mask(extra=1)
         positions = cache.real_len[:, None]
-        with self.packed.route(run_lengths(batch.adapters)):
+        with self.packed.route(self._groups(batch.adapters)):
             hidden = hidden_states(
                 self.decoder, batch.last[:, None], attention_mask=mask, position_ids=positions, cache=cache
             )
         cache.real_len = cache.real_len + 1
         batch.last = self.head(hidden[:, -1]).argmax(dim=-1)
         tokens = batch.last.tolist()
+        self.stats.decode_seconds += time.perf_counter() - started
         self.stats.decode_steps += 1
         self.stats.decode_rows += len(tokens)
         self._advance([(row, batch.jobs[row], tokens[row]) for row, alive in enumerate(batch.live) if alive])

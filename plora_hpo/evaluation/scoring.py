@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 from plora_hpo.engine.packed_lora import PackedLoraModel
 from plora_hpo.evaluation._model import decoder_of, hidden_states, model_device
+from plora_hpo.evaluation.frozen import frozen_adapter_weights
 from plora_hpo.evaluation.residency import AdapterResidency, adapter_chunks
 
 _HEAD_CHUNK = 2048  # positions per LM-head call: bounds the (positions × vocab) fp32 block
@@ -92,17 +93,21 @@ def score_continuations(
     stats.requests += len(requests)
     results: dict[str, list[tuple[float, bool] | None]] = {a: [None] * len(requests) for a in adapter_ids}
 
-    chunks = adapter_chunks(residency, adapter_ids) if residency is not None else [list(adapter_ids)]
+    paging = residency is not None and residency.paging
+    chunks = adapter_chunks(residency, adapter_ids) if paging else [list(adapter_ids)]
     for group in chunks:
         if residency is not None:
             residency.ensure(group)
-        for sub in _split(group, batch_size):
-            per_adapter = max(1, batch_size // len(sub))
-            for start in range(0, len(items), per_adapter):
-                batch = items[start : start + per_adapter]
-                _score_batch(decoder, head, packed, sub, batch, results, device, pad_id, stats)
-                if progress is not None:
-                    progress(len(batch) * len(sub))
+        with frozen_adapter_weights(packed, group, enabled=not paging) as frozen:
+            for sub in _split(group, batch_size):
+                per_adapter = max(1, batch_size // len(sub))
+                # prebuilt factors serve routes over the whole group (adapters of other turns: no rows)
+                order = group if frozen else sub
+                for start in range(0, len(items), per_adapter):
+                    batch = items[start : start + per_adapter]
+                    _score_batch(decoder, head, packed, order, sub, batch, results, device, pad_id, stats)
+                    if progress is not None:
+                        progress(len(batch) * len(sub))
     stats.seconds += time.perf_counter() - started
     return {a: [r for r in rows if r is not None] for a, rows in results.items()}
 
@@ -117,6 +122,7 @@ def _score_batch(
     decoder: torch.nn.Module,
     head: torch.nn.Module,
     packed: PackedLoraModel,
+    order: list[str],
     adapters: list[str],
     batch: list[_Input],
     results: dict[str, list[tuple[float, bool] | None]],
@@ -125,12 +131,13 @@ def _score_batch(
     stats: ScoringStats,
 ) -> None:
     width = max(len(item.tokens) for item in batch)
-    ids = torch.full((len(adapters) * len(batch), width), pad_id, dtype=torch.long)
+    # every adapter's rows are the same right-padded inputs: build them once, repeat per adapter
+    inputs = torch.tensor([item.tokens + (pad_id,) * (width - len(item.tokens)) for item in batch], dtype=torch.long)
+    ids = inputs.repeat(len(adapters), 1)
     rows, positions = [], []  # flat (row, position) pairs whose next-token scores are read
     for a_index in range(len(adapters)):
         for i_index, item in enumerate(batch):
             row = a_index * len(batch) + i_index
-            ids[row, : len(item.tokens)] = torch.tensor(item.tokens)
             first = len(item.tokens) - item.positions
             rows += [row] * item.positions
             positions += range(first, len(item.tokens))
@@ -139,8 +146,9 @@ def _score_batch(
     stats.tokens += len(adapters) * sum(len(item.tokens) for item in batch)
     stats.padded_tokens += ids.numel()
 
-    with packed.route([(a, len(batch)) for a in adapters]):
-        hidden = hidden_states(decoder, ids.to(device))
+    rows_of = dict.fromkeys(adapters, len(batch))
+    with packed.route([(a, rows_of.get(a, 0)) for a in order]):
+        hidden = hidden_states(decoder, ids.to(device, non_blocking=True))
     picked = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
     logprob = torch.empty(picked.shape[0], head.out_features, dtype=torch.float32, device=device)
     for start in range(0, picked.shape[0], _HEAD_CHUNK):

@@ -7,6 +7,11 @@ directory, every new one refits the factors, and the next :func:`load_calibratio
 
 Cache directory: ``$PLORA_HPO_CACHE/calibration`` when that variable is set, else
 ``~/.cache/plora_hpo/calibration``.
+
+:func:`held_out_errors` checks that calibration generalises: fit on some measured packs (the
+small, early ones), predict others (large, later ones) and report both the prior's and the
+calibrated model's relative errors. Needs numpy only (the fit is a small bounded
+Levenberg-Marquardt), so it runs on GPU machines without scipy.
 """
 
 from __future__ import annotations
@@ -16,11 +21,10 @@ import os
 import re
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
-from scipy.optimize import least_squares
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.errors import PloraError
@@ -32,6 +36,9 @@ from plora_hpo.shapes import ModelShape
 MAX_KEPT_OBSERVATIONS = 256
 _RIDGE = 1e-4  # pull towards the prior, so few observations move only the factors they inform
 _BOUNDS = (0.05, 20.0)
+# engine knobs the cost model describes; an observation with any other knob set differently (e.g.
+# packed_storage off, eager ops) measured something else and is not fitted by default
+_MODELLED_KNOBS = {"micro_batch_tokens", "activation_checkpointing", "loss_chunk_tokens", "cast_adapters", "packing"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,20 @@ class Observation:
     dtype_bytes: int = 2
     checkpointing: bool = False
     logits_chunk_tokens: int | None = 4096
+    micro_batch_tokens: int | None = None
+    engine: str = "packed"
+    knobs: dict = field(default_factory=dict)  # the engine settings of the run, as recorded
+
+    @property
+    def modelled(self) -> bool:
+        """Whether the run used engine settings the cost model describes (the defaults, micro-batching,
+        checkpointing, the loss chunk); e.g. a benchmark row with packed storage off is not."""
+        k = self.knobs
+        return (
+            set(k) <= _MODELLED_KNOBS
+            and k.get("cast_adapters", True) is not False
+            and k.get("packing", "padded") == "padded"
+        )
 
     def configs(self) -> list[AdapterConfig]:
         pairs = zip(self.ranks, self.batch_sizes)
@@ -55,15 +76,28 @@ class Observation:
 
     def workload(self, shape: ModelShape) -> Workload:
         return Workload(
-            shape, self.seq_len, self.targets, self.dtype_bytes, self.checkpointing, self.logits_chunk_tokens
+            shape,
+            self.seq_len,
+            self.targets,
+            self.dtype_bytes,
+            self.checkpointing,
+            self.logits_chunk_tokens,
+            self.micro_batch_tokens,
+            self.engine,
         )
 
     @classmethod
     def from_dict(cls, data: dict) -> Observation:
+        """From a stored observation or a benchmark's ``observations`` entry (extra keys ignored;
+        ``micro_batch_tokens`` taken from ``knobs`` when not given on its own)."""
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in known}
         for key in ("ranks", "batch_sizes", "targets"):
             values[key] = tuple(values[key])
+        knobs = dict(values.get("knobs") or {})
+        values["knobs"] = knobs
+        if values.get("micro_batch_tokens") is None and knobs.get("micro_batch_tokens"):
+            values["micro_batch_tokens"] = int(knobs["micro_batch_tokens"])
         return cls(**values)
 
 
@@ -75,7 +109,7 @@ def fit_calibration(observations: Sequence[Observation], shape: ModelShape, gpu:
         configs = obs.configs()
         if obs.step_seconds:
             terms = model.step_terms(configs, obs.degree)
-            time_rows.append((terms.launch, terms.fixed, terms.base, terms.lora, terms.comm))
+            time_rows.append((terms.launch, terms.fixed, terms.base, terms.lora, terms.optimizer, terms.comm))
             time_y.append(obs.step_seconds)
         if obs.peak_bytes:
             terms = model.memory_terms(configs, obs.degree)
@@ -84,23 +118,102 @@ def fit_calibration(observations: Sequence[Observation], shape: ModelShape, gpu:
 
     def time_model(theta: np.ndarray, rows: np.ndarray) -> np.ndarray:
         host = theta[0] * rows[:, 0]
-        device = rows[:, 1:4] @ theta[1:] + rows[:, 4]
-        return np.maximum(host, device) if gpu.async_launch else host + device
+        optimizer = theta[4] * rows[:, 4]
+        device = rows[:, 1:4] @ theta[1:4] + optimizer + rows[:, 5]
+        return np.maximum(host + optimizer, device) if gpu.async_launch else host + device
 
     factors = dict.fromkeys(TIME_FACTORS + MEMORY_FACTORS, 1.0)
     if time_y:
-        factors.update(zip(TIME_FACTORS, _fit(time_model, np.array(time_rows), np.array(time_y), 4)))
+        fitted = _fit(time_model, np.array(time_rows), np.array(time_y), len(TIME_FACTORS))
+        factors.update(zip(TIME_FACTORS, fitted))
     if mem_y:
-        factors.update(zip(MEMORY_FACTORS, _fit(lambda t, r: r @ t, np.array(mem_rows), np.array(mem_y), 3)))
+        fitted = _fit(lambda t, r: r @ t, np.array(mem_rows), np.array(mem_y), len(MEMORY_FACTORS))
+        factors.update(zip(MEMORY_FACTORS, fitted))
     return Calibration(**factors, observations=len(observations))
 
 
 def _fit(model, rows: np.ndarray, measured: np.ndarray, n: int) -> list[float]:
+    """Bounded Levenberg-Marquardt on relative residuals plus a ridge towards 1 (numpy only).
+
+    The models are linear or a max of two linear forms in theta, so a forward-difference Jacobian
+    is exact almost everywhere and a few dozen iterations converge.
+    """
+    low, high = _BOUNDS
+
     def residuals(theta: np.ndarray) -> np.ndarray:
         return np.concatenate([model(theta, rows) / measured - 1.0, np.sqrt(_RIDGE) * (theta - 1.0)])
 
-    result = least_squares(residuals, np.ones(n), bounds=_BOUNDS, x_scale=1.0, xtol=1e-12, ftol=1e-12)
-    return [float(v) for v in result.x]
+    theta = np.ones(n)
+    r = residuals(theta)
+    cost, damping = float(r @ r), 1e-3
+    for _ in range(500):
+        step = 1e-7
+        jac = np.stack([(residuals(theta + step * e) - r) / step for e in np.eye(n)], axis=1)
+        grad, hess = jac.T @ r, jac.T @ jac
+        improved = False
+        while damping < 1e12:
+            delta = np.linalg.solve(hess + damping * np.diag(np.diag(hess) + 1e-12), -grad)
+            candidate = np.clip(theta + delta, low, high)
+            r_new = residuals(candidate)
+            cost_new = float(r_new @ r_new)
+            if cost_new < cost:
+                improved = cost - cost_new > 1e-15 * max(cost, 1e-30)
+                theta, r, cost = candidate, r_new, cost_new
+                damping = max(damping / 10, 1e-12)
+                break
+            damping *= 10
+        if not improved:
+            break
+    return [float(v) for v in theta]
+
+
+def held_out_errors(
+    fit_on: Sequence[Observation], predict: Sequence[Observation], shape: ModelShape, gpu: GpuSpec
+) -> dict:
+    """Calibrate on ``fit_on``, predict ``predict``: how well calibration carries to other packs.
+
+    Returns ``{"calibration": factors, "rows": [...], "memory_error_max", "step_error_max",
+    "memory_prior_error_max", "step_prior_error_max"}``; each row has the pack (K, ranks, batch
+    sizes, seq_len, micro_batch_tokens, checkpointing), the measured values and the signed
+    relative errors ``(pred - measured) / measured`` of the prior and of the calibrated model.
+    """
+    calibration = fit_calibration(fit_on, shape, gpu)
+    rows = []
+    for obs in predict:
+        workload = obs.workload(shape)
+        prior, calibrated = CostModel(workload, gpu), CostModel(workload, gpu, calibration)
+        configs = obs.configs()
+        row = {
+            "K": len(configs),
+            "ranks": list(obs.ranks),
+            "batch_sizes": list(obs.batch_sizes),
+            "seq_len": obs.seq_len,
+            "micro_batch_tokens": obs.micro_batch_tokens,
+            "checkpointing": obs.checkpointing,
+            "peak_bytes": obs.peak_bytes,
+            "step_seconds": obs.step_seconds,
+        }
+        if obs.peak_bytes:
+            row["memory_prior_error"] = prior.peak_memory(configs, obs.degree) / obs.peak_bytes - 1
+            row["memory_error"] = calibrated.peak_memory(configs, obs.degree) / obs.peak_bytes - 1
+        if obs.step_seconds:
+            row["step_prior_error"] = prior.step_seconds(configs, obs.degree) / obs.step_seconds - 1
+            row["step_error"] = calibrated.step_seconds(configs, obs.degree) / obs.step_seconds - 1
+        rows.append(row)
+
+    def worst(key: str) -> float | None:
+        values = [abs(r[key]) for r in rows if key in r]
+        return max(values) if values else None
+
+    return {
+        "calibration": calibration.to_dict(),
+        "fit_on": len(fit_on),
+        "rows": rows,
+        "memory_error_max": worst("memory_error"),
+        "step_error_max": worst("step_error"),
+        "memory_prior_error_max": worst("memory_prior_error"),
+        "step_prior_error_max": worst("step_prior_error"),
+    }
 
 
 def cache_dir() -> Path:
@@ -156,6 +269,7 @@ def record_observation(
     dtype_bytes: int = 2,
     checkpointing: bool = False,
     logits_chunk_tokens: int | None = 4096,
+    micro_batch_tokens: int | None = None,
     directory: Path | None = None,
 ) -> Calibration:
     """Store one measured pack, refit the (model, GPU) factors, persist and return them.
@@ -171,7 +285,7 @@ def record_observation(
         step_seconds: mean wall seconds of one packed step (None: not measured).
         peak_bytes: ``torch.cuda.max_memory_allocated()`` on one of the pack's GPUs (None: not measured).
         degree: GPUs the pack ran on.
-        dtype_bytes, checkpointing, logits_chunk_tokens: as in :class:`Workload`.
+        dtype_bytes, checkpointing, logits_chunk_tokens, micro_batch_tokens: as in :class:`Workload`.
         directory: calibration directory (default :func:`cache_dir`).
 
     Returns:
@@ -196,6 +310,7 @@ def record_observation(
         dtype_bytes=dtype_bytes,
         checkpointing=checkpointing,
         logits_chunk_tokens=logits_chunk_tokens,
+        micro_batch_tokens=micro_batch_tokens,
     )
     kept = [Observation.from_dict(o) for o in stored][-(MAX_KEPT_OBSERVATIONS - 1) :]
     observations = [*kept, observation]

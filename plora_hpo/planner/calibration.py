@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-TIME_FACTORS = ("launch", "fixed", "base", "lora")
+TIME_FACTORS = ("launch", "fixed", "base", "lora", "optimizer")
 MEMORY_FACTORS = ("memory_fixed", "memory_activations", "memory_adapters")
 
 
@@ -21,7 +21,8 @@ class Calibration:
         launch: × host launch seconds per step.
         fixed: × GPU seconds per step that do not grow with tokens.
         base: × base-model seconds (FLOPs and activation traffic).
-        lora: × LoRA matmul and optimizer seconds.
+        lora: × LoRA kernel and adapter-cast seconds.
+        optimizer: × gradient clipping + AdamW + zeroing seconds (after the step's sync).
         memory_fixed: × weights + reserve + logits chunk bytes.
         memory_activations: × saved activation bytes.
         memory_adapters: × adapter parameter, gradient and AdamW bytes.
@@ -32,6 +33,7 @@ class Calibration:
     fixed: float = 1.0
     base: float = 1.0
     lora: float = 1.0
+    optimizer: float = 1.0
     memory_fixed: float = 1.0
     memory_activations: float = 1.0
     memory_adapters: float = 1.0

@@ -1,14 +1,19 @@
 """Analytic cost model of a pack: peak memory per GPU and seconds per packed step.
 
 Why: the planner must know, before anything runs, whether a set of adapters fits on ``d`` GPUs
-and how fast the pack trains. The model is analytic (FLOPs ÷ matmul rate, bytes ÷ bandwidth,
-bytes of saved activations) with constants fitted once to the H200 reference runs of
-DESIGN.md §6, and scaled per (model, GPU) by a :class:`~plora_hpo.planner.calibration.Calibration`
-fitted from the first iterations of real packs.
+and how fast the pack trains. The model is analytic: memory counts the tensors the engine keeps
+alive (weights, each layer's saved activations, one logits chunk, adapter factors, gradients and
+AdamW states; see :class:`Prior`), time is FLOPs ÷ measured matmul rate plus bytes ÷ bandwidth
+plus host launch time. It is scaled per (model, GPU) by a
+:class:`~plora_hpo.planner.calibration.Calibration` fitted from the first iterations of real
+packs (:mod:`plora_hpo.planner.calibrate`).
 
 Every quantity splits into a part shared by the pack (``overhead_terms``, ``base_memory_terms``)
 plus one part per adapter (``adapter_terms``, ``adapter_memory_terms``). That additivity is what
-lets the ILP stay linear in the selection.
+lets the ILP stay linear in the selection. It is exact for one forward per step (the sweep's
+default); with micro-batching (``Workload.micro_batch_tokens``) the whole-pack functions
+(``memory_terms``, ``step_terms``) count the forwards and the largest forward's activations, while
+the per-adapter parts stay an upper bound on memory.
 
 Multi-GPU packs (degree ``d > 1``) are modelled as fully sharded data parallel: weights, adapter
 states and the pack's rows are split over the ``d`` GPUs, and every step all-gathers the base
@@ -20,7 +25,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.errors import ConfigError, PloraError
@@ -76,9 +81,12 @@ class GpuSpec:
         return cls("cpu", memory_gib, matmul_tflops=0.1, bandwidth_tbs=0.02, link_gbs=1.0, async_launch=False)
 
 
+ENGINES = ("packed", "peft")
+
+
 @dataclass(frozen=True)
 class Workload:
-    """What every pack of a sweep shares: base model shape, sequence length, targets, dtype.
+    """What every pack of a sweep shares: base model shape, sequence length, targets, dtype, engine.
 
     Attributes:
         shape: decoder dimensions of the frozen base model.
@@ -89,6 +97,11 @@ class Workload:
         logits_chunk_tokens: the loss is computed over this many tokens at a time, so only one
             chunk of full-vocabulary logits is alive (the engine's default chunk is 4096);
             ``None`` means all logits at once (PEFT).
+        micro_batch_tokens: the engine's ``micro_batch_tokens`` (each step split into forwards of
+            at most this many padded tokens, whole rows); ``None``: one forward per step.
+        engine: ``"packed"`` (this package's trainer: packed adapter storage, fused RMSNorm/SwiGLU
+            and chunked cross-entropy on CUDA) or ``"peft"`` (eager transformers + PEFT, one
+            adapter; the baseline the benchmarks compare against).
     """
 
     shape: ModelShape
@@ -97,6 +110,8 @@ class Workload:
     dtype_bytes: int = 2
     checkpointing: bool = False
     logits_chunk_tokens: int | None = 4096
+    micro_batch_tokens: int | None = None
+    engine: str = "packed"
 
     def __post_init__(self) -> None:
         if self.seq_len <= 0:
@@ -112,43 +127,118 @@ class Workload:
             raise ConfigError(f"dtype_bytes must be 1, 2 or 4, got {self.dtype_bytes}")
         if self.logits_chunk_tokens is not None and self.logits_chunk_tokens <= 0:
             raise ConfigError(f"logits_chunk_tokens must be positive, got {self.logits_chunk_tokens}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens <= 0:
+            raise ConfigError(f"micro_batch_tokens must be positive, got {self.micro_batch_tokens}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"unknown engine {self.engine!r}; use one of {', '.join(ENGINES)}")
+
+    @property
+    def rows_per_micro_batch(self) -> int | None:
+        """Sequences per forward when micro-batching (at least one), else None."""
+        if self.micro_batch_tokens is None:
+            return None
+        return max(1, self.micro_batch_tokens // self.seq_len)
 
 
 @dataclass(frozen=True)
 class Prior:
-    """Constants of the analytic prior.
+    """Constants of the analytic prior; the defaults describe the packed engine on CUDA.
 
-    The activation and time constants were least-squares fitted to the seven H200 reference runs
-    of DESIGN.md §6 (eager PEFT, r 16 on all seven projections, seq 512); they reproduce all seven
-    peaks within 1% and step times within 10%. The launch split between layers and targets and
-    the LoRA/optimizer constants are assumptions that calibration corrects.
+    Memory is counted from what autograd keeps alive at the end of the forward (the peak: every
+    layer's saved tensors, the optimizer state, one logits chunk), tensor by tensor, per token
+    and decoder layer (h = hidden, kv = key/value width, i = MLP intermediate), in the
+    activations' dtype:
+
+    * RMSNorm (fused ``F.rms_norm``) saves its input: the layer input and the post-attention
+      residual (2h); the q/k/v and gate/up projections (and their LoRA kernels) share the two
+      norm outputs (2h); flash attention keeps q (h), k and v (2kv, GQA not repeated) and its
+      output (h), which o_proj reuses; the fused SwiGLU keeps gate and up (2i) and down_proj its
+      input (i). Total 6h + 2kv + 3i (the H200 run without fusion measured 15.2 GiB more at
+      qwen2.5-1.5b K 32; the 2h + i that eager RMSNorm's fp32 copies and eager SiLU add predict 15.4).
+    * each LoRA kernel keeps its rank buffer ``x·Aᵀ``: r_k per token per target;
+    * after the last layer: the final norm's input, its output, the trained rows selected from it
+      and the loss's precomputed hidden gradient (4h per token);
+    * one chunk of logits, overwritten in place by their gradient (2 bytes per logit);
+    * adapters: fp32 factor, gradient (packed buffers, zeroed in place, never freed), AdamW
+      ``exp_avg`` and ``exp_avg_sq`` (16 bytes per parameter), plus the bf16 copy of every
+      layer's packed factors that the kernels save for the backward (2 more; one layer's worth
+      under checkpointing, where the copy is recomputed layer by layer).
+
+    Step time: host launches per micro-batch and per adapter, overlapped with device time
+    (matmul FLOPs ÷ measured peak, activation and LoRA bytes ÷ bandwidth), then the optimizer
+    phase after the step's one device→host read. The efficiencies come from a torch.profiler
+    trace of one qwen2.5-1.5b K 32 step on the H200 (``benchmarks/results/throughput-h200-extras.json``,
+    ``profile``: cuBLAS 0.208 s for 152 TFLOP; LoRA kernels 0.098 s; elementwise/copy ≈ 0.12 s;
+    the optimizer span 0.082 s for 1.75 G adapter parameters) and the host-bound K 1 row
+    (0.35 s per step for 28 layers × 7 adapted projections); calibration corrects them per
+    (model, GPU).
     """
 
-    act_per_hidden: float = 15.7  # saved activation elements per token per layer, per hidden unit
-    act_per_intermediate: float = 5.5  # ... per MLP intermediate unit
+    # memory: saved elements per token and decoder layer
+    saved_per_hidden: float = 6.0
+    saved_per_kv: float = 2.0
+    saved_per_intermediate: float = 3.0
+    loss_hidden_rows: float = 4.0  # per token after the last layer, × hidden
     logits_bytes_per_vocab: float = 14.0  # all logits kept (PEFT): bf16 + fp32 copy + log-softmax + grad
-    chunk_logits_bytes_per_vocab: float = 6.0  # one chunk (engine/loss.py): bf16 logits + fp32 copy
+    chunk_logits_bytes_per_vocab: float = 2.0  # one chunk, gradient written in place (engine/loss.py)
     reserve_gib: float = 0.1  # allocator workspace that does not grow with anything
     adapter_state_bytes: float = 16.0  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
-    matmul_efficiency: float = 0.6  # of the measured peak, on base-model matmuls
-    traffic_passes: float = 14.0  # times each saved activation byte crosses HBM per step
-    lora_efficiency: float = 0.3  # of the peak, on skinny LoRA matmuls
-    optimizer_bytes_per_param: float = 28.0  # AdamW reads 4 fp32 tensors and writes 3
-    gpu_fixed_per_layer_s: float = 1.0e-3  # per-step GPU time independent of tokens
-    launch_per_layer_s: float = 0.8e-3  # host time to issue one layer's base kernels
-    launch_per_target_s: float = 0.7e-3  # ... plus each adapted projection's LoRA kernels
-    launch_per_adapter_s: float = 0.5e-3  # ... plus each adapter's loss and optimizer launches
+    adapter_compute_copy: bool = True  # low-precision copy of the factors saved per layer
+    # time
+    matmul_efficiency: float = 0.95  # of the measured peak, on base-model matmuls
+    traffic_passes: float = 10.0  # HBM bytes moved by non-matmul kernels per saved activation byte
+    chunk_logit_traffic_bytes: float = 6.0  # per logit: fused CE reads twice, writes the gradient once
+    lora_efficiency: float = 0.2  # of the peak, on the LoRA FLOPs (beyond their activation traffic)
+    lora_input_passes: float = 3.0  # x read by shrink (forward) and dA (backward), dx written
+    lora_output_passes: float = 4.0  # base output read, output written, dy read twice (dB, shrink)
+    step_param_bytes: float = 44.0  # AdamW 28 (4 reads, 3 writes) + grad-norm clip 12 + zeroing 4
+    micro_param_bytes: float = 26.0  # per forward: bf16 cast 6 + bf16 grads 2 + fp32 cast-and-add 18
+    # AdamW and clipping see every adapter's per-layer views (K × 2 × layers × targets small tensors)
+    # and reach this share of the bandwidth; the per-forward casts run on the contiguous packed
+    # buffers at full bandwidth.
+    optimizer_bandwidth_efficiency: float = 0.22
+    gpu_fixed_per_layer_s: float = 1.0e-3  # per-forward GPU time independent of tokens
+    launch_per_layer_s: float = 1.5e-3  # host time to issue one layer's base kernels, per forward
+    launch_per_target_s: float = 1.5e-3  # ... plus each adapted projection's LoRA kernels
+    launch_per_adapter_s: float = 2.0e-3  # ... plus each adapter's loss, clip and optimizer launches
+    forward_share: float = 0.35  # the forward's share of host launches and traffic (recomputed)
+
+
+# Eager transformers + PEFT (one adapter, unfused ops, full fp32 logits): least-squares fitted to
+# the seven H200 reference runs of DESIGN.md §6 (r 16 on all seven projections, seq 512); they
+# reproduce all seven peaks within 1% and step times within 10%.
+PEFT_PRIOR = Prior(
+    saved_per_hidden=15.7,
+    saved_per_kv=0.0,
+    saved_per_intermediate=5.5,
+    loss_hidden_rows=0.0,
+    adapter_compute_copy=False,
+    matmul_efficiency=0.6,
+    traffic_passes=14.0,
+    chunk_logit_traffic_bytes=0.0,
+    lora_efficiency=0.3,
+    lora_input_passes=0.0,
+    lora_output_passes=0.0,
+    step_param_bytes=28.0,
+    micro_param_bytes=0.0,
+    optimizer_bandwidth_efficiency=1.0,
+    launch_per_layer_s=0.8e-3,
+    launch_per_target_s=0.7e-3,
+    launch_per_adapter_s=0.5e-3,
+    forward_share=0.0,
+)
 
 
 @dataclass(frozen=True)
 class StepTerms:
     """Prior seconds of one packed step, split by what calibration scales separately."""
 
-    launch: float = 0.0  # host time to issue the step's kernels
+    launch: float = 0.0  # host time to issue the step's forward/backward kernels
     fixed: float = 0.0  # GPU time that does not grow with tokens
     base: float = 0.0  # frozen base model: forward + input-gradient backward over the tokens
-    lora: float = 0.0  # LoRA matmuls and the AdamW update
+    lora: float = 0.0  # LoRA kernels and the per-forward adapter casts
     comm: float = 0.0  # weight all-gather and LoRA gradient all-reduce (degree > 1)
+    optimizer: float = 0.0  # clip + AdamW + zeroing, after the step's sync (host and GPU both wait)
 
     def __add__(self, other: StepTerms) -> StepTerms:
         return StepTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -160,14 +250,18 @@ class MemoryTerms:
 
     fixed: float = 0.0  # base weights, reserve, logits chunk
     activations: float = 0.0  # saved activations of base and LoRA
-    adapters: float = 0.0  # adapter params + grads + AdamW states
+    adapters: float = 0.0  # adapter params + grads + AdamW states (+ saved low-precision copies)
 
     def __add__(self, other: MemoryTerms) -> MemoryTerms:
         return MemoryTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
 class CostModel:
-    """Peak memory per GPU and step time of a pack of adapters on ``degree`` GPUs."""
+    """Peak memory per GPU and step time of a pack of adapters on ``degree`` GPUs.
+
+    ``prior`` defaults to :class:`Prior` for the packed engine and :data:`PEFT_PRIOR` for
+    ``Workload(engine="peft")``.
+    """
 
     def __init__(
         self,
@@ -179,7 +273,7 @@ class CostModel:
         self.workload = workload
         self.gpu = gpu
         self.calibration = calibration or Calibration()
-        self.prior = prior or Prior()
+        self.prior = prior or (PEFT_PRIOR if workload.engine == "peft" else Prior())
 
     # ---- memory -------------------------------------------------------------------------
     def _weight_bytes(self) -> float:
@@ -189,8 +283,16 @@ class CostModel:
         return self.prior.logits_bytes_per_vocab * self.workload.shape.vocab
 
     def _layer_act_elements_per_token(self) -> float:
-        s = self.workload.shape
-        return self.prior.act_per_hidden * s.hidden + self.prior.act_per_intermediate * s.intermediate
+        s, p = self.workload.shape, self.prior
+        kv = s.kv_heads * s.head_dim
+        return p.saved_per_hidden * s.hidden + p.saved_per_kv * kv + p.saved_per_intermediate * s.intermediate
+
+    def _copy_bytes_per_param(self) -> float:
+        """Saved low-precision copy of the adapter factors (the kernels' A and B), per parameter."""
+        w = self.workload
+        if not self.prior.adapter_compute_copy or w.dtype_bytes >= 4:
+            return 0.0
+        return w.dtype_bytes / w.shape.layers if w.checkpointing else float(w.dtype_bytes)
 
     def base_memory_terms(self, degree: int, tokens_per_gpu: float | None = None) -> MemoryTerms:
         """Bytes per GPU that the pack needs whatever adapters it holds.
@@ -208,8 +310,12 @@ class CostModel:
         return MemoryTerms(fixed=fixed)
 
     def adapter_memory_terms(self, config: AdapterConfig, degree: int) -> MemoryTerms:
-        """Bytes per GPU that one adapter adds: its rows' activations and its optimizer state."""
-        w, s = self.workload, self.workload.shape
+        """Bytes per GPU that one adapter adds: its rows' activations and its optimizer state.
+
+        Without micro-batching exact; with it, an upper bound (every row's activations), which
+        :meth:`memory_terms` scales down to the largest micro-batch.
+        """
+        w, s, p = self.workload, self.workload.shape, self.prior
         tokens = config.batch_size * w.seq_len
         layer_act = tokens * self._layer_act_elements_per_token() * w.dtype_bytes
         lora_act = tokens * config.rank * len(w.targets) * w.dtype_bytes  # x·Aᵀ per target
@@ -217,9 +323,10 @@ class CostModel:
             act = tokens * s.hidden * w.dtype_bytes * s.layers + layer_act + lora_act
         else:
             act = (layer_act + lora_act) * s.layers
+        act += tokens * p.loss_hidden_rows * s.hidden * w.dtype_bytes
         if w.logits_chunk_tokens is None:
             act += tokens * self._logit_bytes_per_token()
-        states = s.lora_params(config.rank, w.targets) * self.prior.adapter_state_bytes
+        states = s.lora_params(config.rank, w.targets) * (p.adapter_state_bytes + self._copy_bytes_per_param())
         return MemoryTerms(activations=act / degree, adapters=states / degree)
 
     def memory_bytes(self, terms: MemoryTerms) -> float:
@@ -229,11 +336,27 @@ class CostModel:
             c.memory_fixed * terms.fixed + c.memory_activations * terms.activations + c.memory_adapters * terms.adapters
         )
 
+    def micro_batch_tokens(self, configs: Sequence[AdapterConfig], degree: int = 1) -> float:
+        """Tokens per GPU in the pack's largest forward (all of them without micro-batching)."""
+        tokens = sum(self.tokens_per_step(c) for c in configs) / degree
+        rows = self.workload.rows_per_micro_batch
+        return tokens if rows is None else min(tokens, rows * self.workload.seq_len)
+
+    def micro_batches(self, configs: Sequence[AdapterConfig], degree: int = 1) -> int:
+        """Forwards per step on each GPU (1 without micro-batching)."""
+        rows = self.workload.rows_per_micro_batch
+        if rows is None:
+            return 1
+        return max(1, math.ceil(sum(c.batch_size for c in configs) / degree / rows))
+
     def memory_terms(self, configs: Sequence[AdapterConfig], degree: int = 1) -> MemoryTerms:
-        tokens = sum(self.tokens_per_step(c) for c in configs)
-        total = self.base_memory_terms(degree, tokens / degree)
+        tokens = sum(self.tokens_per_step(c) for c in configs) / degree
+        live = self.micro_batch_tokens(configs, degree)
+        total = self.base_memory_terms(degree, live)
         for config in configs:
             total += self.adapter_memory_terms(config, degree)
+        if live < tokens:  # micro-batched: only the forward in flight keeps activations
+            total = replace(total, activations=total.activations * live / tokens)
         return total
 
     def peak_memory(self, configs: Sequence[AdapterConfig], degree: int = 1) -> float:
@@ -252,22 +375,40 @@ class CostModel:
         return flops
 
     def _traffic_bytes_per_token(self) -> float:
-        w, s = self.workload, self.workload.shape
-        saved = s.layers * self._layer_act_elements_per_token() * w.dtype_bytes + self._logit_bytes_per_token()
-        return self.prior.traffic_passes * saved
+        w, s, p = self.workload, self.workload.shape, self.prior
+        saved = s.layers * self._layer_act_elements_per_token() * w.dtype_bytes
+        if w.checkpointing:
+            saved *= 1 + p.forward_share
+        if w.logits_chunk_tokens is None:
+            return p.traffic_passes * (saved + self._logit_bytes_per_token())
+        return p.traffic_passes * saved + p.chunk_logit_traffic_bytes * s.vocab
+
+    def _lora_bytes_per_token(self) -> float:
+        w, s, p = self.workload, self.workload.shape, self.prior
+        dims = [s.linear_dims(m) for m in w.targets]
+        per_layer = sum(p.lora_input_passes * d_in + p.lora_output_passes * d_out for d_in, d_out in dims)
+        extra = 1 + p.forward_share if w.checkpointing else 1.0
+        return per_layer * s.layers * w.dtype_bytes * extra
 
     def _comm_fraction(self, degree: int) -> float:
         return (degree - 1) / degree / (self.gpu.link_gbs * 1e9)
 
-    def overhead_terms(self, degree: int) -> StepTerms:
+    def overhead_terms(self, degree: int, micro_batches: int = 1) -> StepTerms:
         """Per-step seconds of a pack with no adapters: launches, fixed kernels, weight gathers."""
-        s, p = self.workload.shape, self.prior
-        launch = s.layers * (p.launch_per_layer_s + p.launch_per_target_s * len(self.workload.targets))
+        w, s, p = self.workload, self.workload.shape, self.prior
+        launch = s.layers * (p.launch_per_layer_s + p.launch_per_target_s * len(w.targets))
+        if w.checkpointing:
+            launch *= 1 + p.forward_share
         comm = 2 * self._weight_bytes() * self._comm_fraction(degree)
-        return StepTerms(launch=launch, fixed=s.layers * p.gpu_fixed_per_layer_s, comm=comm)
+        return StepTerms(
+            launch=micro_batches * launch,
+            fixed=micro_batches * s.layers * p.gpu_fixed_per_layer_s,
+            comm=micro_batches * comm,
+        )
 
-    def adapter_terms(self, config: AdapterConfig, degree: int) -> StepTerms:
-        """Per-step seconds that one adapter adds: its rows through the base, its LoRA work."""
+    def adapter_terms(self, config: AdapterConfig, degree: int, micro_batches: int = 1) -> StepTerms:
+        """Per-step seconds that one adapter adds: its rows through the base, its LoRA work, its
+        optimizer update (``micro_batches``: forwards per step, which repeat the adapter casts)."""
         w, p = self.workload, self.prior
         rate = self.gpu.matmul_tflops * 1e12
         bandwidth = self.gpu.bandwidth_tbs * 1e12
@@ -276,28 +417,46 @@ class CostModel:
             self._base_flops_per_token() / (rate * p.matmul_efficiency) + self._traffic_bytes_per_token() / bandwidth
         )
         params = w.shape.lora_params(config.rank, w.targets)
-        lora = 6 * tokens * params / (rate * p.lora_efficiency) + params * p.optimizer_bytes_per_param / bandwidth
+        lora_flops = (8 if w.checkpointing else 6) * tokens * params
+        lora = (
+            lora_flops / (rate * p.lora_efficiency)
+            + tokens * self._lora_bytes_per_token() / bandwidth
+            + micro_batches * params * p.micro_param_bytes / bandwidth
+        )
+        optimizer = params * p.step_param_bytes / (bandwidth * p.optimizer_bandwidth_efficiency)
         comm = 2 * 4 * params * self._comm_fraction(degree)  # fp32 gradient all-reduce
-        return StepTerms(launch=p.launch_per_adapter_s, base=base / degree, lora=lora / degree, comm=comm)
+        return StepTerms(
+            launch=p.launch_per_adapter_s,
+            base=base / degree,
+            lora=lora / degree,
+            comm=comm,
+            optimizer=optimizer / degree,
+        )
 
     def launch_seconds(self, terms: StepTerms) -> float:
-        """Calibrated host seconds of a step."""
-        return self.calibration.launch * terms.launch
+        """Calibrated host seconds of a step (the optimizer phase too, when launches overlap:
+        the host waits for it after the step's sync)."""
+        c = self.calibration
+        host = c.launch * terms.launch
+        return host + c.optimizer * terms.optimizer if self.gpu.async_launch else host
 
     def device_seconds(self, terms: StepTerms) -> float:
         """Calibrated GPU seconds of a step."""
         c = self.calibration
-        return c.fixed * terms.fixed + c.base * terms.base + c.lora * terms.lora + terms.comm
+        scaled = c.fixed * terms.fixed + c.base * terms.base + c.lora * terms.lora + c.optimizer * terms.optimizer
+        return scaled + terms.comm
 
     def seconds(self, terms: StepTerms) -> float:
-        """Calibrated seconds of a step: host and GPU overlap when launches are asynchronous."""
+        """Calibrated seconds of a step: host and GPU overlap when launches are asynchronous
+        (forward/backward in parallel, then the optimizer phase that both wait for)."""
         host, device = self.launch_seconds(terms), self.device_seconds(terms)
         return max(host, device) if self.gpu.async_launch else host + device
 
     def step_terms(self, configs: Sequence[AdapterConfig], degree: int = 1) -> StepTerms:
-        total = self.overhead_terms(degree)
+        n = self.micro_batches(configs, degree)
+        total = self.overhead_terms(degree, n)
         for config in configs:
-            total += self.adapter_terms(config, degree)
+            total += self.adapter_terms(config, degree, n)
         return total
 
     def step_seconds(self, configs: Sequence[AdapterConfig], degree: int = 1) -> float:

@@ -38,7 +38,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.sparse import csr_matrix
 
 from plora_hpo.errors import PloraError
 
@@ -212,7 +211,9 @@ class _Highs:
         if p.max_seconds is not None:
             rows.append(np.append(np.zeros(n), np.ones(phases))[None, :])
             upper.append(np.array([p.max_seconds]))
-        matrix = csr_matrix(np.vstack(rows))
+        dense = np.vstack(rows)
+        row_index, col_index = np.nonzero(dense)  # row-major: already CSR order
+        indptr = np.searchsorted(row_index, np.arange(dense.shape[0] + 1)).astype(np.int32)
         bound = np.concatenate(upper)
         h.clearModel()
         h.addVars(n + phases, np.zeros(n + phases), np.append(p.available.astype(float), np.full(phases, hs.kHighsInf)))
@@ -223,10 +224,10 @@ class _Highs:
             len(bound),
             np.full(len(bound), -hs.kHighsInf),
             bound,
-            matrix.nnz,
-            matrix.indptr[:-1].astype(np.int32),
-            matrix.indices.astype(np.int32),
-            matrix.data,
+            len(col_index),
+            indptr[:-1],
+            col_index.astype(np.int32),
+            dense[row_index, col_index],
         )
         h.changeObjectiveSense(hs.ObjSense.kMaximize)
         h.setOptionValue("mip_rel_gap", _GAP)

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
+from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraLinear, PackedLoraModel, PackedTrainer
 from plora_hpo.engine.batching import IGNORE_INDEX, plan_micro_batches
 from plora_hpo.engine.fused import fuse_elementwise, unfuse_elementwise, varlen_attention
 from plora_hpo.engine.loss import grouped_label_loss
@@ -244,3 +244,94 @@ def test_packed_storage_through_triton_kernels_under_interpreter():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
+
+
+def test_packed_storage_uses_flat_parameters_and_one_compute_copy():
+    """Packed storage: one flat optimizer parameter per adapter, per-layer parameters are views of
+    it, gradients reach the fp32 pack gradient through the compute copy, and a forward outside a
+    step (copy stale after the update) sees the updated weights."""
+    base = tiny_model("qwen2")
+    packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
+    trainer = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu")
+    for i in range(2):
+        trainer.add_job(AdapterJob(f"a{i}", CONFIGS[i], random_examples(6, seed=i), 4))
+    assert [len(g["params"]) for g in trainer.optimizer.param_groups] == [len(packed.chunk_widths)] * 2
+    flat = trainer.optimizer.param_groups[1]["params"][0]
+    assert flat.shape == (CONFIGS[1].rank, packed.chunk_widths[0])
+    hits = []
+    original = PackedLoraLinear._weights
+
+    def spy(self, route, dtype):
+        hits.append(self._slot is not None and self._slot.pack.fresh)
+        return original(self, route, dtype)
+
+    PackedLoraLinear._weights = spy
+    try:
+        trainer.step()
+    finally:
+        PackedLoraLinear._weights = original
+    assert hits and all(hits)  # every layer call took the packed path
+    pack = packed.current_pack
+    assert flat is packed.flat_parameters("a1")[0]
+    assert flat.data_ptr() == pack.master[0][pack.row_offsets[1]].data_ptr()
+    for p in packed.parameters_of("a1"):
+        assert p.untyped_storage().data_ptr() == pack.master[0].untyped_storage().data_ptr()
+    assert not pack.fresh and float(pack.grad[0].abs().sum()) == 0.0  # updated, grads zeroed in place
+    ids = torch.randint(1, 90, (2, 9))
+    with packed.route([("a0", 1), ("a1", 1)]):
+        stale_path = packed.model(ids).logits
+    packed.unpack()
+    with packed.route([("a0", 1), ("a1", 1)]):
+        want = packed.model(ids).logits
+    assert torch.equal(stale_path, want)
+    trainer.step()  # repacks, same flat parameter objects (their AdamW state carries on)
+    assert flat is trainer.optimizer.param_groups[1]["params"][0] and trainer.optimizer.state[flat]["step"] == 2
+
+
+def test_bf16_compute_copy_is_one_cast_of_the_master():
+    base = tiny_model("llama")
+    packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
+    for i in range(2):
+        packed.add_adapter(f"a{i}", CONFIGS[i])
+    packed.pack(["a0", "a1"])
+    packed.refresh_compute(torch.bfloat16)
+    pack = packed.current_pack
+    assert pack.compute[0].dtype == torch.bfloat16
+    assert torch.equal(pack.compute[0], pack.master[0].to(torch.bfloat16))
+    layer = next(iter(packed.layers.values()))
+    assert layer._slot.a.is_leaf and layer._slot.a.data_ptr() == pack.compute[0].data_ptr()
+    grad_a = torch.ones_like(layer._slot.a)
+    layer._slot.a.backward(grad_a)  # the hook adds the leaf's gradient into the fp32 pack gradient
+    assert layer._slot.a.grad is None
+    assert float(pack.grad[0][:, layer.col_a : layer.col_b].sum()) == grad_a.numel()
+    packed.router.cast_adapters = False
+    packed.refresh_compute(torch.bfloat16)
+    assert packed.current_pack.compute is pack.master
+
+
+def test_layers_are_chunked_so_kernel_offsets_stay_32_bit(monkeypatch):
+    """Several pack buffers (chunks of layers) behave exactly like one."""
+    from plora_hpo.engine import packed_lora
+
+    reference = train("llama")
+    monkeypatch.setattr(packed_lora, "_CHUNK_COLUMNS", 200)  # a few layers per chunk
+    base = tiny_model("llama")
+    assert len(PackedLoraModel(copy.deepcopy(base), TARGETS).chunk_widths) > 2
+    assert_same(reference, train("llama"), tol=1e-6)
+
+
+def test_unpacked_trainer_after_a_packed_one_gets_dense_parameters():
+    """Adapters kept in the model between trainers (benchmark rows): a per-layer-parameter trainer
+    after a packed one must not train strided views of the old flat parameters."""
+    packed = PackedLoraModel(tiny_model("llama"), TARGETS)
+    first = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu")
+    first.add_job(AdapterJob("a0", CONFIGS[0], random_examples(6, seed=1), 4))
+    first.step()
+    first.remove_job("a0")
+    assert not all(p.is_contiguous() for p in packed.parameters_of("a0"))  # views of the flat one
+    before = {k: v.clone() for k, v in packed.state_dict_of("a0").items()}
+    second = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu", packed_storage=False)
+    second.add_job(AdapterJob("a0", CONFIGS[0], random_examples(6, seed=1), 4))
+    assert all(p.is_contiguous() for p in packed.parameters_of("a0"))
+    assert all(torch.equal(packed.state_dict_of("a0")[k], v) for k, v in before.items())
+    second.step()

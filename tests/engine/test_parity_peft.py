@@ -45,9 +45,7 @@ def train_packed(base, datasets, tmp_path):
 def train_alone_with_peft(base, init_dir, config, examples, steps):
     model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(
-        params, lr=config.learning_rate, weight_decay=SETTINGS.weight_decay, foreach=True
-    )
+    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=SETTINGS.weight_decay, foreach=True)
     stream = DataStream(examples, config.seed)
     losses = []
     for step in range(steps):
@@ -55,9 +53,7 @@ def train_alone_with_peft(base, init_dir, config, examples, steps):
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
         out.loss.backward()
         for group in optimizer.param_groups:
-            group["lr"] = config.learning_rate * lr_multiplier(
-                SETTINGS.lr_schedule, step, steps, SETTINGS.warmup_ratio
-            )
+            group["lr"] = config.learning_rate * lr_multiplier(SETTINGS.lr_schedule, step, steps, SETTINGS.warmup_ratio)
         torch.nn.utils.clip_grad_norm_(params, SETTINGS.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()

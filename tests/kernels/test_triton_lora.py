@@ -16,7 +16,7 @@ import torch
 from plora_hpo.kernels import SegmentLayout, packed_lora_add
 from plora_hpo.kernels import _tuning as tuning
 from plora_hpo.kernels._plan import build_plan, rank_tile
-from plora_hpo.kernels.triton_lora import packed_lora_add_triton, packed_lora_triton
+from plora_hpo.kernels.triton_lora import packed_lora_add_triton, packed_lora_op, packed_lora_triton
 from tests.kernels._oracle import Case, oracle, random_inputs, rel_err
 
 ON_GPU = torch.cuda.is_available()
@@ -52,6 +52,7 @@ MODES = {
     "direct": {},
     "split": dict(shrink_split=3, outer_split=2, expand_grid=2),
     "per_rank": dict(merge_ranks=False),
+    "unfused_dx": dict(fuse_dx=False),
 }
 
 
@@ -113,6 +114,80 @@ def test_only_requested_gradients() -> None:
         _, (dx, da, db) = _run(lambda: packed_lora_triton(x, a, b, layout), x, a, b, dy)
     assert dx is None and da is None
     assert rel_err(db, oracle(x, a, b, layout, dy)[3]) <= FP32_TOL
+
+
+@pytest.mark.parametrize("frozen", ["a", "x", "x_and_b"])
+def test_partial_gradients(frozen: str) -> None:
+    """dx without dA (separate expand launch), dA without dx (outer kernel without the dx part)."""
+    case = CASES["ragged_empty_mixed"]
+    gen = torch.Generator().manual_seed(9)
+    layout = case.layout(gen)
+    x, a, b, _, dy = random_inputs(case, gen, torch.float32, torch.float32, DEVICE)
+    for name, t in (("x", x), ("a", a), ("b", b)):
+        t.requires_grad_(name not in frozen.split("_and_"))
+    with tuning.override(**_tuning_for("direct")):
+        _, grads = _run(lambda: packed_lora_triton(x, a, b, layout), x, a, b, dy)
+    for got, want, t in zip(grads, oracle(x, a, b, layout, dy)[1:], (x, a, b)):
+        assert (got is None) == (not t.requires_grad)
+        assert got is None or rel_err(got, want) <= FP32_TOL
+
+
+def test_custom_op_matches_and_checks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The torch custom op (what torch.compile sees): same numbers, schema, fake and autograd."""
+    case = CASES["ragged_empty_mixed"]
+    gen = torch.Generator().manual_seed(10)
+    layout = case.layout(gen)
+    x, a, b, base, dy = random_inputs(case, gen, torch.float32, torch.float32, DEVICE)
+    with tuning.override(**_tuning_for("direct")):
+        out, (dx, da, db, dbase) = _run(lambda: packed_lora_op(x, a, b, base, layout), x, a, b, dy, extra=(base,))
+        monkeypatch.setenv("PLORA_KERNELS_OP", "1")  # the public entry points take the op too
+        delta_op = packed_lora_triton(x, a, b, layout)
+        args = (x, a, b, base, list(layout.token_offsets), list(layout.rank_offsets), list(layout.scalings))
+        torch.library.opcheck(
+            torch.ops.plora_hpo.packed_lora.default,
+            args,
+            test_utils=("test_schema", "test_autograd_registration", "test_faketensor"),
+        )
+    delta, *want = oracle(x, a, b, layout, dy)
+    assert rel_err(out, base.detach().cpu().double() + delta) <= FP32_TOL
+    assert rel_err(delta_op, delta) <= FP32_TOL
+    assert torch.equal(dbase, dy)
+    assert max(rel_err(g, w) for g, w in zip((dx, da, db), want)) <= FP32_TOL
+
+
+def test_torch_compile_sees_the_op() -> None:
+    """fullgraph compile (no graph break) of forward + backward through the custom op."""
+    case = CASES["k2_rank128"]
+    gen = torch.Generator().manual_seed(11)
+    layout = case.layout(gen)
+    x, a, b, base, dy = random_inputs(case, gen, torch.float32, torch.float32, DEVICE)
+    torch._dynamo.reset()
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        return packed_lora_add_triton(base * 1.0, x, a, b, layout) * 2.0
+
+    with tuning.override(**_tuning_for("direct")):
+        out, (dx, da, db, _) = _run(lambda: step(x, a, b, base), x, a, b, 2.0 * dy, extra=(base,))
+    delta, *want = oracle(x, a, b, layout, 4.0 * dy)
+    assert rel_err(out, 2.0 * (base.detach().cpu().double() + delta)) <= FP32_TOL
+    assert max(rel_err(g, w) for g, w in zip((dx, da, db), want)) <= FP32_TOL
+
+
+def test_launch_specs_are_cached() -> None:
+    """The second call with a layout plans nothing: every launch spec comes from the plan's cache."""
+    case = CASES["ragged_empty_mixed"]
+    gen = torch.Generator().manual_seed(12)
+    layout = case.layout(gen)
+    x, a, b, _, dy = random_inputs(case, gen, torch.float32, torch.float32, DEVICE)
+    with tuning.override(**_tuning_for("direct")) as t:
+        _run(lambda: packed_lora_triton(x, a, b, layout), x, a, b, dy)
+        from plora_hpo.kernels._plan import plan_for
+
+        specs = plan_for(layout, t.block_m, x.device).launch_specs
+        first = dict(specs)
+        _run(lambda: packed_lora_triton(x, a, b, layout), x, a, b, dy)
+    assert len(first) == 5 and all(specs[k] is first[k] for k in first) and len(specs) == 5
 
 
 def test_strided_weights() -> None:
@@ -177,6 +252,7 @@ def test_plan_groups_and_tiles() -> None:
 
 # ---- GPU only: production tiles, bf16 activations, larger and non-multiple-of-tile shapes ----
 
+
 def _k64_ragged() -> Case:
     rng = random.Random(5)
     lengths = [rng.randrange(0, 90) for _ in range(64)]
@@ -202,9 +278,7 @@ def test_bf16_on_gpu(name: str, w_dtype: torch.dtype, mode: str) -> None:
     layout = case.layout(gen)
     x, a, b, base, dy = random_inputs(case, gen, torch.bfloat16, w_dtype, DEVICE)
     with tuning.override(**MODES[mode], poison=True):
-        out, (dx, da, db, _) = _run(
-            lambda: packed_lora_add_triton(base, x, a, b, layout), x, a, b, dy, extra=(base,)
-        )
+        out, (dx, da, db, _) = _run(lambda: packed_lora_add_triton(base, x, a, b, layout), x, a, b, dy, extra=(base,))
         with torch.no_grad():
             alone = packed_lora_triton(x, a, b, layout)
     delta, *want = oracle(x, a, b, layout, dy)

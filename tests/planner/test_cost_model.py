@@ -56,11 +56,9 @@ def test_multi_gpu_adds_communication():
     assert cm.step_terms([config()], degree=2).comm > 0
 
 
-
-
 @pytest.mark.parametrize(("name", "batch", "tokens_per_s", "peak_gib"), PEFT_H200_REFERENCE)
 def test_prior_matches_h200_reference(name, batch, tokens_per_s, peak_gib):
-    cm = model(name, logits_chunk_tokens=None)
+    cm = model(name, logits_chunk_tokens=None, engine="peft")
     configs = [config(rank=16, batch=batch)]
     assert cm.peak_memory(configs) / GIB == pytest.approx(peak_gib, rel=0.02)
     assert cm.step_seconds(configs) == pytest.approx(batch * 512 / tokens_per_s, rel=0.15)

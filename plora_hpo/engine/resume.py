@@ -1,0 +1,115 @@
+"""An adapter's training state, taken out of a pack and put back into one, bit for bit.
+
+Used for crash-safe checkpoints (on disk, every N steps), for moving adapters out of a pack
+that ran out of memory (in host memory), and for resuming after either. The state is what
+training reads: LoRA weights, the adapter's AdamW state, its optimizer step count, its data
+stream position (the order is seeded, so the position is all the randomness there is) and its
+loss curve so far.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from plora_hpo.adapter import AdapterConfig
+from plora_hpo.engine.trainer import AdapterJob, PackedTrainer
+
+
+@dataclass
+class AdapterState:
+    """Everything an adapter needs to continue training exactly where it stopped (host tensors)."""
+
+    config: AdapterConfig
+    steps_done: int
+    weights: dict[str, torch.Tensor]
+    optimizer_state: list[dict[str, torch.Tensor]]  # one per parameter, in parameters_of order
+    stream_position: tuple[int, int]
+    curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, lr)
+
+    def to_dict(self) -> dict:
+        return {
+            "config": self.config.as_params(),
+            "steps_done": self.steps_done,
+            "weights": self.weights,
+            "optimizer_state": self.optimizer_state,
+            "stream_position": list(self.stream_position),
+            "curve": [list(row) for row in self.curve],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> AdapterState:
+        return cls(
+            config=AdapterConfig(**data["config"]),
+            steps_done=int(data["steps_done"]),
+            weights=data["weights"],
+            optimizer_state=data["optimizer_state"],
+            stream_position=tuple(data["stream_position"]),
+            curve=[(int(s), float(loss), float(lr)) for s, loss, lr in data["curve"]],
+        )
+
+
+def _group_params(trainer: PackedTrainer, adapter_id: str) -> list[torch.nn.Parameter]:
+    assert trainer.optimizer is not None
+    [group] = [g for g in trainer.optimizer.param_groups if g["adapter_id"] == adapter_id]
+    return list(group["params"])
+
+
+def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, float, float]]) -> AdapterState:
+    """Copy an active adapter's state to host memory (between steps)."""
+    params = _group_params(trainer, adapter_id)
+    assert trainer.optimizer is not None
+    return AdapterState(
+        config=trainer.jobs[adapter_id].config,
+        steps_done=trainer.steps_done[adapter_id],
+        weights={k: v.detach().to("cpu", copy=True) for k, v in trainer.packed.state_dict_of(adapter_id).items()},
+        optimizer_state=[
+            {k: v.detach().to("cpu", copy=True) for k, v in trainer.optimizer.state.get(p, {}).items()} for p in params
+        ],
+        stream_position=trainer.streams[adapter_id].position(),
+        curve=list(curve),
+    )
+
+
+def restore(trainer: PackedTrainer, job: AdapterJob, state: AdapterState) -> None:
+    """Add ``job`` to the pack with ``state``'s weights, AdamW state, step count and data position."""
+    if state.config != job.config:
+        raise ValueError(
+            f"{job.adapter_id}: the saved state belongs to {state.config.label()}, not {job.config.label()}"
+        )
+    if not 0 <= state.steps_done <= job.total_steps:
+        raise ValueError(f"{job.adapter_id}: saved at step {state.steps_done} of a {job.total_steps}-step budget")
+    trainer.add_job(job)
+    trainer.packed.load_state_dict_of(job.adapter_id, state.weights)
+    params = _group_params(trainer, job.adapter_id)
+    if len(params) != len(state.optimizer_state):
+        raise ValueError(
+            f"{job.adapter_id}: saved optimizer state has {len(state.optimizer_state)} tensors, not {len(params)}"
+        )
+    assert trainer.optimizer is not None
+    for p, saved in zip(params, state.optimizer_state):
+        if saved:
+            # AdamW keeps "step" on the host unless it is fused/capturable; match what it made for p.
+            trainer.optimizer.state[p] = {
+                k: v.to(p.device) if k != "step" or trainer.device.type == "cuda" else v.clone()
+                for k, v in saved.items()
+            }
+    trainer.steps_done[job.adapter_id] = state.steps_done
+    trainer.streams[job.adapter_id].seek(*state.stream_position)
+
+
+def stream_positions(trainer: PackedTrainer) -> dict[str, tuple[int, int]]:
+    """Where every active adapter's data stream stands (taken before a step, to undo it)."""
+    return {a: trainer.streams[a].position() for a in trainer.active}
+
+
+def abort_step(trainer: PackedTrainer, positions: dict[str, tuple[int, int]]) -> None:
+    """Undo a step that raised before its update (out of memory): rewind data, drop gradients."""
+    for adapter_id, (epoch, cursor) in positions.items():
+        if adapter_id in trainer.streams:
+            trainer.streams[adapter_id].seek(epoch, cursor)
+    if trainer.packed.packed_ids:
+        trainer.packed.zero_packed_grads()
+    elif trainer.optimizer is not None:
+        trainer.optimizer.zero_grad(set_to_none=True)

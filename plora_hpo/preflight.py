@@ -1,0 +1,117 @@
+"""Preflight: check a sweep's command-line inputs before anything loads or is written.
+
+The sweep file itself is validated by :mod:`plora_hpo.config`; this checks what the command line
+adds (device, model, data directory, tracking and storage URLs), reading only, so that a bad
+value stops the run in about a second with one clear line instead of after the model loads.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from plora_hpo.config import SweepConfig
+
+
+def check_sweep_inputs(
+    config: SweepConfig,
+    *,
+    run_dir: Path,
+    data_dir: str | None = None,
+    device: str | None = None,
+    mlflow_uri: str | None = None,
+    storage: str | None = None,
+) -> None:
+    """Check a sweep's command-line inputs before anything loads or is written; one-line errors.
+
+    Device, base model (a missing folder, an unknown hub id offline), data directory and task files,
+    the MLflow tracking URI and the Optuna storage URL. Reads only: stores inside ``run_dir`` (the
+    defaults) do not exist yet and are not checked here.
+    """
+    from plora_hpo.errors import DataError
+
+    _check_device(device)
+    _check_model(config.model)
+    real_tasks = [t for t in config.tasks if t != "synthetic"]
+    if data_dir is not None or real_tasks:
+        from plora_hpo.tasks import get_task
+        from plora_hpo.tasks._sources import DATA_DIR_ENV, check_local_files, resolve_data_dir
+
+        directory = resolve_data_dir(data_dir)
+        flag = "--data-dir" if data_dir is not None else f"${DATA_DIR_ENV}"
+        if directory is not None:
+            needs = ", ".join(get_task(t).expected_files() for t in real_tasks) or "gsm8k/, mrpc/ or cola/ files"
+            if not directory.exists():
+                raise DataError(f"{flag} {directory}: no such directory; pass a folder holding {needs}")
+            if not directory.is_dir():
+                raise DataError(f"{flag} {directory}: not a directory; pass a folder holding {needs}")
+            for task in real_tasks:
+                check_local_files(get_task(task), directory)
+    if mlflow_uri is not None:
+        _check_mlflow_uri(mlflow_uri, run_dir)
+    if storage is not None:
+        _check_storage(storage, run_dir)
+
+
+def _check_device(device: str | None) -> None:
+    from plora_hpo.sweep import resolve_devices
+
+    resolve_devices(device)
+
+
+def _check_model(model: str) -> None:
+    from plora_hpo.models import EMBEDDED_NAME, _resolve_config
+
+    if model.lower() == EMBEDDED_NAME or model.startswith("random:"):
+        return  # embedded / random shapes are checked when they load (no download, fast)
+    _resolve_config(model)  # a missing folder, or a hub id that cannot be found: one-line ModelError
+
+
+def _sqlite_dir_ok(url: str, run_dir: Path) -> Path | None:
+    """For ``sqlite:///path``: the folder that must exist (None when it is the run dir, created later)."""
+    raw = url.split("///", 1)[1] if "///" in url else ""
+    if not raw or raw == ":memory:":
+        return None
+    folder = Path(raw).expanduser().resolve().parent
+    run = run_dir.expanduser().resolve()
+    if folder == run or run in folder.parents:
+        return None
+    return None if folder.is_dir() else folder
+
+
+def _check_mlflow_uri(uri: str, run_dir: Path) -> None:
+    from plora_hpo.errors import PloraError
+
+    fix = "start the server or pass --mlflow-uri with a reachable store"
+    if uri.startswith("sqlite:"):
+        missing = _sqlite_dir_ok(uri, run_dir)
+        if missing is not None:
+            raise PloraError(f"cannot reach the MLflow tracking store {uri!r} (no folder {missing}); {fix}")
+        return
+    if uri.startswith(("file:", "/", ".")):
+        return  # a local folder store is created on first use
+    from plora_hpo.tracking import SweepTracker
+
+    SweepTracker(uri, "check").check_reachable()  # HTTP: /health, else the store's own client; reads only
+
+
+def _check_storage(url: str, run_dir: Path) -> None:
+    from plora_hpo.errors import PloraError
+
+    fix = "pass --storage with a reachable database URL, or leave it out for sqlite:///<run-dir>/optuna.db"
+    if url.startswith("sqlite:"):
+        missing = _sqlite_dir_ok(url, run_dir)
+        if missing is not None:
+            raise PloraError(f"cannot open the Optuna storage {url!r} (no folder {missing}); {fix}")
+        return
+    try:
+        import sqlalchemy
+
+        engine = sqlalchemy.create_engine(url)
+        try:
+            with engine.connect():
+                pass
+        finally:
+            engine.dispose()
+    except Exception as err:  # ArgumentError, NoSuchModuleError, OperationalError, missing drivers...
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+        raise PloraError(f"cannot open the Optuna storage {url!r} ({type(err).__name__}: {first}); {fix}") from None

@@ -1,0 +1,108 @@
+"""An adapter taken out of a pack (to disk or host memory) and put back trains on bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from plora_hpo.adapter import AdapterConfig
+from plora_hpo.checkpoints import CheckpointStore, read_checkpoint
+from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
+from plora_hpo.engine.resume import abort_step, capture, restore, stream_positions
+from plora_hpo.errors import CheckpointError
+
+from .conftest import random_examples, tiny_model
+
+TARGETS = ("q_proj", "v_proj", "down_proj")
+SETTINGS = OptimizerSettings(lr_schedule="cosine", warmup_ratio=0.25, weight_decay=0.01, max_grad_norm=0.5)
+CONFIGS = {
+    "a": AdapterConfig(rank=8, alpha=16.0, learning_rate=4e-3, batch_size=3, seed=1),
+    "b": AdapterConfig(rank=4, alpha=4.0, learning_rate=2e-3, batch_size=2, seed=2),
+}
+STEPS = 8
+EXAMPLES = {a: random_examples(7, seed=40 + i, max_len=16) for i, a in enumerate(CONFIGS)}  # 7: epochs wrap
+
+
+def new_trainer(base: torch.nn.Module) -> PackedTrainer:
+    packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
+    return PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu")
+
+
+def job(adapter_id: str) -> AdapterJob:
+    return AdapterJob(adapter_id, CONFIGS[adapter_id], EXAMPLES[adapter_id], STEPS)
+
+
+def weights(trainer: PackedTrainer, adapter_id: str) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.packed.state_dict_of(adapter_id).items()}
+
+
+def test_checkpoint_round_trip_continues_exactly(tmp_path):
+    base = tiny_model("qwen2")
+    straight = new_trainer(base)
+    for a in CONFIGS:
+        straight.add_job(job(a))
+    straight_losses = [[r.loss for r in straight.step()] for _ in range(STEPS)]
+
+    first = new_trainer(base)
+    for a in CONFIGS:
+        first.add_job(job(a))
+    losses = [[r.loss for r in first.step()] for _ in range(5)]
+    store = CheckpointStore(tmp_path / "ckpt")
+    for i, a in enumerate(CONFIGS):
+        store.save(i, capture(first, a, curve=[(5, losses[-1][i], 0.0)]), {"run_id": f"run-{a}"})
+    del first  # the process dies here
+
+    second = new_trainer(base)
+    for i, a in enumerate(CONFIGS):
+        state, extra = store.load(i)
+        assert extra == {"run_id": f"run-{a}"} and state.steps_done == 5 and state.curve[0][0] == 5
+        restore(second, job(a), state)
+    losses += [[r.loss for r in second.step()] for _ in range(STEPS - 5)]
+
+    assert losses == straight_losses  # bitwise: weights, AdamW moments, schedule and data order
+    for a in CONFIGS:
+        for key, value in weights(straight, a).items():
+            assert torch.equal(weights(second, a)[key], value), key
+
+
+def test_restore_refuses_a_different_config(tmp_path):
+    trainer = new_trainer(tiny_model("llama"))
+    trainer.add_job(job("a"))
+    trainer.step()
+    state = capture(trainer, "a", curve=[])
+    other = new_trainer(tiny_model("llama"))
+    with pytest.raises(ValueError, match="belongs to"):
+        restore(other, AdapterJob("a", CONFIGS["b"], EXAMPLES["a"], STEPS), state)
+
+
+def test_aborted_step_leaves_no_trace():
+    """An out-of-memory step is undone: data rewound, gradients dropped, nothing updated."""
+    base = tiny_model("mistral")
+    reference, faulty = new_trainer(base), new_trainer(base)
+    for t in (reference, faulty):
+        for a in CONFIGS:
+            t.add_job(job(a))
+        t.step()
+    positions = stream_positions(faulty)
+    faulty._ensure_packed()
+    for mb in faulty.next_micro_batches():  # a step that dies after its backward, before its update
+        faulty._forward_backward(mb, torch.ones(len(CONFIGS)))
+    abort_step(faulty, positions)
+    for _ in range(3):
+        assert [r.loss for r in faulty.step()] == [r.loss for r in reference.step()]
+
+
+def test_corrupt_checkpoint_is_one_clear_error(tmp_path):
+    trainer = new_trainer(tiny_model("llama"))
+    trainer.add_job(job("a"))
+    trainer.step()
+    store = CheckpointStore(tmp_path)
+    path = store.save(3, capture(trainer, "a", curve=[]))
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # torn write of another tool
+    with pytest.raises(CheckpointError, match=r"t3\.pt is unreadable .*delete it to retrain"):
+        store.validate_all()
+    with pytest.raises(CheckpointError) as caught:
+        read_checkpoint(path)
+    assert "\n" not in str(caught.value)

@@ -1,0 +1,116 @@
+"""Device workers on the embedded SmolLM2: refill after pruning, out-of-memory splits, several devices."""
+
+from __future__ import annotations
+
+import optuna
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from optuna.trial import TrialState
+
+from plora_hpo import PackedObjective, PackedSweep, SweepTracker, create_study, load_sweep, optimize_in_packs
+from plora_hpo.engine import PackedTrainer
+
+from .test_sweep_e2e import small_sweep
+
+pytestmark = pytest.mark.slow
+
+
+def open_sweep(tmp_path, name, device=None, **overrides):
+    config = load_sweep(small_sweep(tmp_path, name=name, **overrides))
+    tracker = SweepTracker(f"sqlite:///{tmp_path / f'{name}-mlflow.db'}", config.name)
+    sweep = PackedSweep(config, tracker=tracker, run_dir=tmp_path / f"{name}-runs", device=device)
+    tracker.start(config.name, {})
+    study = create_study(config, "synthetic", f"sqlite:///{tmp_path / f'{name}-optuna.db'}")
+    return sweep, study, tracker
+
+
+def train_batch(tmp_path, name):
+    sweep, study, _ = open_sweep(tmp_path, name, budget={"steps": 5}, train={"checkpoint_every": 2})
+    try:
+        outcomes = optimize_in_packs(study, sweep, "synthetic", n_trials=4, pack_size=4)
+    finally:
+        sweep.close()
+    return {o.request.config: (o.value, o.losses, o.failed) for o in outcomes}, sweep
+
+
+def test_out_of_memory_splits_the_pack_and_loses_nothing(tmp_path, monkeypatch):
+    reference, _ = train_batch(tmp_path, "whole")
+
+    real_step, calls = PackedTrainer.step, []
+
+    def step(self):  # fault injection: the third step of the 4-adapter pack runs out of memory
+        calls.append(len(self.jobs))
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return real_step(self)
+
+    monkeypatch.setattr(PackedTrainer, "step", step)
+    split, sweep = train_batch(tmp_path, "split")
+
+    assert calls[:3] == [4, 4, 4] and max(calls[3:]) < 4  # re-planned into smaller packs
+    assert sweep.workers[0].memory_correction > 1.0  # the corrected estimate keeps them apart
+    # every trial finished as if nothing had happened (to rounding: CPU matmuls of a 2-adapter
+    # batch may sum in another order than those of the 4-adapter batch)
+    assert split.keys() == reference.keys()
+    for config, (value, losses, failed) in split.items():
+        assert not failed and value == reference[config][0]
+        assert losses == pytest.approx(reference[config][1], rel=1e-5)
+
+
+class PruneTrialZero(optuna.pruners.BasePruner):
+    """A real Optuna pruner with a fixed verdict, so the test knows which slot frees up."""
+
+    def prune(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> bool:
+        return trial.number == 0
+
+
+def test_pruned_adapter_leaves_and_its_slot_trains_the_next_trial(tmp_path):
+    sweep, study, tracker = open_sweep(
+        tmp_path,
+        "prune",
+        budget={"steps": 6},
+        pack={"size": 2, "gather_seconds": 10},
+        pruning={"pruner": "median", "interval": 2, "eval_limit": 4},
+    )
+    study.pruner = PruneTrialZero()
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=4, n_jobs=sweep.concurrency)
+    finally:
+        sweep.close()
+
+    trials = study.trials
+    assert [t.state for t in trials] == [TrialState.PRUNED] + [TrialState.COMPLETE] * 3
+    assert trials[0].user_attrs["pruned_at_step"] == 2 and list(trials[0].intermediate_values) == [2]
+    assert all(sorted(t.intermediate_values) == [2, 4] for t in trials[1:])  # the last step is the final score
+    # one pack the whole time: trial 2 took trial 0's slot, trial 3 the next free one
+    assert {t.user_attrs["pack_id"] for t in trials} == {"pack-0"}
+    client = MlflowClient(tracker.tracking_uri)
+    pruned = client.get_run(trials[0].user_attrs["mlflow_run_id"])
+    assert pruned.info.status == "KILLED" and pruned.data.tags["plora.pruned_at_step"] == "2"
+    assert [m.step for m in client.get_metric_history(pruned.info.run_id, "intermediate_acc")] == [2]
+
+
+def test_two_devices_train_packs_at_the_same_time(tmp_path):
+    """``--device cpu,cpu``: two workers, each with its own model replica, one pack each."""
+    sweep, study, tracker = open_sweep(
+        tmp_path, "devices", device="cpu,cpu", budget={"steps": 4}, pack={"size": 2, "gather_seconds": 10}
+    )
+    assert sweep.concurrency == 4
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=4, n_jobs=sweep.concurrency)
+    finally:
+        sweep.close()
+
+    trials = study.trials
+    assert all(t.state == TrialState.COMPLETE for t in trials)
+    packs = {t.user_attrs["pack_id"] for t in trials}
+    assert packs == {"pack-0@cpu#0", "pack-1@cpu#1"} or packs == {"pack-0@cpu#1", "pack-1@cpu#0"}
+    client = MlflowClient(tracker.tracking_uri)
+    spans = {}
+    for t in trials:
+        run = client.get_run(t.user_attrs["mlflow_run_id"])
+        start, end = spans.get(t.user_attrs["pack_id"], (run.info.start_time, run.info.end_time))
+        spans[t.user_attrs["pack_id"]] = (min(start, run.info.start_time), max(end, run.info.end_time))
+    (s0, e0), (s1, e1) = spans.values()
+    assert s0 < e1 and s1 < e0  # the two packs trained concurrently
