@@ -11,6 +11,9 @@ from pathlib import Path
 
 from plora_hpo.config import SweepConfig
 
+_MLFLOW_FIX = "start the server or pass --mlflow-uri with a reachable store"
+_STORAGE_FIX = "pass --storage with a reachable database URL, or leave it out for sqlite:///<run-dir>/optuna.db"
+
 
 def check_sweep_inputs(
     config: SweepConfig,
@@ -66,8 +69,9 @@ def _check_model(model: str) -> None:
     _resolve_config(model)  # a missing folder, or a hub id that cannot be found: one-line ModelError
 
 
-def _sqlite_dir_ok(url: str, run_dir: Path) -> Path | None:
-    """For ``sqlite:///path``: the folder that must exist (None when it is the run dir, created later)."""
+def _missing_sqlite_folder(url: str, run_dir: Path) -> Path | None:
+    """For ``sqlite:///path``: the folder that must exist and does not (None when it exists, or
+    is the run dir or inside it, which the sweep creates)."""
     raw = url.split("///", 1)[1] if "///" in url else ""
     if not raw or raw == ":memory:":
         return None
@@ -78,14 +82,17 @@ def _sqlite_dir_ok(url: str, run_dir: Path) -> Path | None:
     return None if folder.is_dir() else folder
 
 
-def _check_mlflow_uri(uri: str, run_dir: Path) -> None:
+def _check_sqlite(url: str, run_dir: Path, problem: str, fix: str) -> None:
     from plora_hpo.errors import PloraError
 
-    fix = "start the server or pass --mlflow-uri with a reachable store"
+    missing = _missing_sqlite_folder(url, run_dir)
+    if missing is not None:
+        raise PloraError(f"{problem} {url!r} (no folder {missing}); {fix}")
+
+
+def _check_mlflow_uri(uri: str, run_dir: Path) -> None:
     if uri.startswith("sqlite:"):
-        missing = _sqlite_dir_ok(uri, run_dir)
-        if missing is not None:
-            raise PloraError(f"cannot reach the MLflow tracking store {uri!r} (no folder {missing}); {fix}")
+        _check_sqlite(uri, run_dir, "cannot reach the MLflow tracking store", _MLFLOW_FIX)
         return
     if uri.startswith(("file:", "/", ".")):
         return  # a local folder store is created on first use
@@ -97,11 +104,8 @@ def _check_mlflow_uri(uri: str, run_dir: Path) -> None:
 def _check_storage(url: str, run_dir: Path) -> None:
     from plora_hpo.errors import PloraError
 
-    fix = "pass --storage with a reachable database URL, or leave it out for sqlite:///<run-dir>/optuna.db"
     if url.startswith("sqlite:"):
-        missing = _sqlite_dir_ok(url, run_dir)
-        if missing is not None:
-            raise PloraError(f"cannot open the Optuna storage {url!r} (no folder {missing}); {fix}")
+        _check_sqlite(url, run_dir, "cannot open the Optuna storage", _STORAGE_FIX)
         return
     try:
         import sqlalchemy
@@ -114,4 +118,6 @@ def _check_storage(url: str, run_dir: Path) -> None:
             engine.dispose()
     except Exception as err:  # ArgumentError, NoSuchModuleError, OperationalError, missing drivers...
         first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
-        raise PloraError(f"cannot open the Optuna storage {url!r} ({type(err).__name__}: {first}); {fix}") from None
+        raise PloraError(
+            f"cannot open the Optuna storage {url!r} ({type(err).__name__}: {first}); {_STORAGE_FIX}"
+        ) from None
