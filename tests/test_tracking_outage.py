@@ -252,7 +252,6 @@ def test_a_sweep_trains_through_an_outage_and_delivers_every_run_when_the_server
     tracker = SweepTracker(server.uri, config.name, artifact_root=tmp_path / "runs", finish_grace_s=60)
     tracker.start(config.name, {"sweep": "outage"})
     study = create_study(config, "synthetic", f"sqlite:///{tmp_path / 'optuna.db'}")
-    started = time.monotonic()
     with PackedSweep(
         config, tracker=tracker, run_dir=tmp_path / "runs", progress=KillServerWhenThePackStarts()
     ) as sweep:
