@@ -91,7 +91,7 @@ class BenchHost:
             model=loaded.model, tokenizer=SimpleNamespace(pad_token_id=0), shape=loaded.shape, name=loaded.name
         )
 
-    def build_eval_tasks(self) -> dict:
+    def eval_tasks_for(self, replica: int) -> dict:
         return {}
 
     def device_spec(self, device: torch.device) -> GpuSpec:

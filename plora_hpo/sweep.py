@@ -86,6 +86,7 @@ class PackedSweep:
         self.progress = progress or PackProgress()
         self.devices = resolve_devices(device)
         self.base = self._load_base(self.devices[0])
+        self._first_eval_tasks: dict[str, Any] = {}
         self.tasks = {task: self._load_task(task) for task in config.tasks}
         self.inbox: queue.Queue[TrialTicket | None] = queue.Queue()
         self._pack_ids = itertools.count()
@@ -96,7 +97,7 @@ class PackedSweep:
         self.workers: list[DeviceWorker] = [
             DeviceWorker(self, d, name, replica=i) for i, (d, name) in enumerate(zip(self.devices, names))
         ]
-        del self._models  # each worker holds its own replica now
+        del self._models, self._first_eval_tasks  # each worker holds its own replica and tasks now
 
     # --- loading ------------------------------------------------------------------------------
     def _load_base(self, device: torch.device) -> Any:
@@ -134,8 +135,13 @@ class PackedSweep:
                 f"space.batch_size: {int(largest_batch)} is larger than the {len(examples)} training "
                 f"examples of task {name!r}; lower the batch size or raise budget.max_train_examples"
             )
-        self.build_eval_tasks([name])  # fail now, with one clear line, if the eval data is missing
+        # built now so missing eval data fails with one clear line; the first worker uses these
+        self._first_eval_tasks.update(self.build_eval_tasks([name]))
         return _TaskData(examples=examples, metric=get_task(name).primary_metric)
+
+    def eval_tasks_for(self, replica: int) -> dict[str, Any]:
+        """Worker ``replica``'s lm-eval tasks: the ones built while loading for the first worker."""
+        return self._first_eval_tasks if replica == 0 else self.build_eval_tasks()
 
     def build_eval_tasks(self, tasks: Sequence[str] | None = None) -> dict[str, Any]:
         """Fresh lm-eval task objects (they keep per-run state, so each worker gets its own)."""

@@ -66,7 +66,7 @@ class DeviceWorker:
         self.name = name
         self.base = sweep.base_on(device, replica)
         self.packed = PackedLoraModel(self.base.model, sweep.config.target_modules)
-        self.eval_tasks = sweep.build_eval_tasks()  # lm-eval tasks hold per-run state: one set per worker
+        self.eval_tasks = sweep.eval_tasks_for(replica)  # lm-eval tasks hold per-run state: one set each
         self.gpu = sweep.device_spec(device)
         shape_name = shape_name_of(self.base.shape)
         self.cost = CostModel(

@@ -109,7 +109,4 @@ def abort_step(trainer: PackedTrainer, positions: dict[str, tuple[int, int]]) ->
     for adapter_id, (epoch, cursor) in positions.items():
         if adapter_id in trainer.streams:
             trainer.streams[adapter_id].seek(epoch, cursor)
-    if trainer.packed.packed_ids:
-        trainer.packed.zero_packed_grads()
-    elif trainer.optimizer is not None:
-        trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.zero_grads()

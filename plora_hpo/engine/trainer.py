@@ -384,10 +384,7 @@ class PackedTrainer:
         if self.optimizer.param_groups:
             self.optimizer.step()
         self.packed.mark_stale()  # the bf16 copy is recast at the next step
-        if self.packed.packed_ids:
-            self.packed.zero_packed_grads()  # in place: the parameters' grads are views of these
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.zero_grads()
         for adapter_id in failures:
             self.remove_job(adapter_id)
 
@@ -410,6 +407,13 @@ class PackedTrainer:
             torch.cuda.synchronize(self.device)
         self._account(micro_batches, time.perf_counter() - started)
         return reports
+
+    def zero_grads(self) -> None:
+        """Drop every adapter's accumulated gradients (after an update, or to undo a step)."""
+        if self.packed.packed_ids:
+            self.packed.zero_packed_grads()  # in place: the parameters' grads are views of these
+        elif self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def _account(self, micro_batches: Sequence[MicroBatch], seconds: float) -> None:
         if self.device.type == "cuda":
