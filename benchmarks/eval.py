@@ -25,10 +25,15 @@ one call, so a larger ``batch_size`` would change nothing), and full-logit forwa
 ``--seq-ll-batch`` right-padded contexts followed by a full-vocabulary log-softmax in the logits'
 dtype (HFLM's ``_loglikelihood_tokens``, with its one-token-continuation cache so each context runs
 once; default 64 = what ``batch_size=auto`` picks for these short contexts: its ``max_batch_size``).
-``sequential-batch1`` is the same at lm-eval's default ``batch_size=1``. lm-eval itself is not
-imported: the GPU image does not have it, and these are the model-level paths lm-eval drives;
-HFLM's own per-request Python (collation, stop-sequence checks every step) is left out, and on
-CUDA both sides attend with SDPA's flash / memory-efficient kernels (cuDNN, PyTorch's default
+``sequential-batch1`` is the same at lm-eval's default ``batch_size=1``. ``ceiling`` (loglikelihood)
+is the base model alone, no adapters, forwarding the batched side's tokens (every context once
+per adapter) as the batched side runs them (same fused forwards, LM head only where a score is
+read), at the fastest of ``--ceiling-batches`` rows per forward: every adapter's tokens must pass
+through the whole base, so no multi-adapter implementation on this base can beat it, and
+``speedup_loglikelihood_<K>_ceiling`` says how far the batch-64 baseline can be beaten at all.
+lm-eval itself is not imported: the GPU image does not have it, and these are the model-level
+paths lm-eval drives; HFLM's own per-request Python (collation, stop-sequence checks every step)
+is left out, and on CUDA both sides attend with SDPA's flash / memory-efficient kernels (cuDNN, PyTorch's default
 here, spent ~1.8 ms of host time per attention call on new key lengths in a profile, and a cold
 sequential run with it took twice as long as later ones), which only makes the sequential side
 faster.
@@ -62,6 +67,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.engine import PackedLoraModel, export_peft_adapter
+from plora_hpo.evaluation._model import decoder_of, hidden_states
+from plora_hpo.evaluation.fast_paths import fast_forwards
 from plora_hpo.evaluation.generation import GenerationJob, GenerationStats, generate_greedy
 from plora_hpo.evaluation.scoring import ScoreRequest, ScoringStats, score_continuations
 
@@ -83,6 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ll-contexts", type=int, default=408, help="MRPC validation has 408 pairs")
     p.add_argument("--ll-len", default="50,110", help="min,max context tokens")
     p.add_argument("--ll-batch", type=int, default=512, help="batched: rows per forward")
+    p.add_argument("--ceiling-batches", default="512,1024", help="ceiling: rows per forward tried (fastest kept)")
     p.add_argument("--seq-gen-batch", type=int, default=16, help="sequential: prompts per generate()")
     p.add_argument("--seq-ll-batch", type=int, default=64, help="sequential: contexts per forward (auto: 64)")
     p.add_argument("--seq-sample", type=int, default=3, help="sequential: adapters timed (then extrapolated)")
@@ -102,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.adapters, args.gen_prompts, args.new_tokens = 4, 3, 12
         args.prompt_len, args.ll_contexts, args.ll_len = "20,40", 10, "8,20"
         args.gen_batch, args.ll_batch, args.prefill_tokens = 8, 16, 512
+        args.ceiling_batches = "16,32"
         args.seq_gen_batch, args.seq_ll_batch, args.seq_sample, args.batch1_sample = 3, 4, 1, 1
     if args.out is None:
         args.out = Path(os.environ.get("OUT", ".")) / ("eval-smoke.json" if args.smoke else "eval-h200.json")
@@ -192,6 +201,39 @@ def batched_loglikelihood(packed, adapters, contexts, choices, args) -> tuple[fl
     scores = score_continuations(packed, adapters, requests, batch_size=args.ll_batch, max_length=10**9, stats=stats)
     sync(args.device)
     return time.perf_counter() - start, scores, stats
+
+
+@torch.no_grad()
+def ceiling_loglikelihood(packed, contexts, choices, copies: int, rows: int, device: str) -> tuple[float, list]:
+    """(seconds, per row [choice log-probs..., greedy token]) of the base model alone (no route:
+    no adapter) on ``copies`` × ``contexts``.
+
+    The batched side's forwards without their LoRA: right-padded rows sorted by length, each
+    context repeated once per adapter, the fused forwards, and the LM head + log-softmax only at
+    the last position (one-token choices), with the same read-out.
+    """
+    model = packed.model
+    decoder, head = decoder_of(model), model.get_output_embeddings()
+    order = sorted(contexts, key=len, reverse=True)
+    per = max(1, rows // copies)
+    targets = torch.tensor(choices, device=device)
+    kept = []
+    sync(device)
+    start = time.perf_counter()
+    with fast_forwards(model):
+        for s in range(0, len(order), per):
+            chunk = order[s : s + per]
+            width = len(chunk[0])
+            ids = torch.zeros(len(chunk), width, dtype=torch.long)
+            for row, context in enumerate(chunk):
+                ids[row, : len(context)] = torch.tensor(context)
+            last = torch.tensor([row * width + len(c) - 1 for row, c in enumerate(chunk)])
+            flat = (last[None, :] + torch.arange(copies)[:, None] * len(chunk) * width).flatten()
+            hidden = hidden_states(decoder, ids.to(device).repeat(copies, 1))
+            logprob = torch.log_softmax(head(hidden.reshape(-1, hidden.shape[-1])[flat.to(device)]).float(), dim=-1)
+            kept.append(torch.cat([logprob[:, targets], logprob.argmax(dim=-1, keepdim=True).float()], dim=1))
+    answers = torch.cat(kept).tolist()  # one transfer at the end, as the batched side
+    return time.perf_counter() - start, answers
 
 
 def same_attention_kernels(device: str):
@@ -523,6 +565,30 @@ def main(argv: list[str] | None = None) -> dict:
         }
     )
 
+    batches = [int(b) for b in args.ceiling_batches.split(",")]
+    ceiling_loglikelihood(packed, contexts[:2], choices, len(adapters), min(batches), args.device)  # warm-up
+    tried = {b: ceiling_loglikelihood(packed, contexts, choices, len(adapters), b, args.device)[0] for b in batches}
+    best = min(tried, key=tried.get)
+    ceiling = tried[best]
+    rows.append(
+        {
+            "workload": "loglikelihood",
+            "mode": "ceiling",
+            "adapters": len(adapters),
+            "requests": n_requests,
+            "context_tokens": len(adapters) * sum(map(len, contexts)),
+            "seconds": ceiling,
+            "requests_per_s": n_requests / ceiling,
+            "measured_adapters": len(adapters),
+            "extrapolated": False,
+            "what": "base model alone (no adapters) on the batched side's tokens, fused forwards, LM head only at "
+            "the read positions; fastest of the rows-per-forward tried",
+            "rows_per_forward": best,
+            "seconds_by_rows_per_forward": tried,
+            "batched_seconds_over_ceiling": ll_seconds / ceiling,
+        }
+    )
+
     k = len(adapters)
     result = {
         "benchmark": "multi-adapter evaluation: batched (shared batches) vs sequential HF+PEFT per adapter",
@@ -548,6 +614,10 @@ def main(argv: list[str] | None = None) -> dict:
             "every adapter does identical work), measured after one untimed full-size warm-up adapter "
             "(warmup_seconds); model and adapter loading is not timed on either side; the batched side is "
             "timed on its first full-size run",
+            "batched on CUDA: the engine's fused RMSNorm/SwiGLU forwards, LoRA of prefill/scoring forwards as "
+            "cuBLAS GEMMs per adapter segment (batched per run of equal-rank adapters when scoring), LM head only "
+            "where a score is read; the sequential side is HF + PEFT eager as lm-eval runs it; ceiling = the base "
+            "model alone through the batched side's forwards",
         ],
         "rows": rows,
         "summary": {
@@ -555,9 +625,11 @@ def main(argv: list[str] | None = None) -> dict:
             f"speedup_loglikelihood_{k}": seq_ll / ll_seconds,
             f"speedup_generate_{k}_vs_batch1": seq_gen_b1 / gen_seconds,
             f"speedup_loglikelihood_{k}_vs_batch1": seq_ll_b1 / ll_seconds,
+            f"speedup_loglikelihood_{k}_ceiling": seq_ll / ceiling,
             "baseline": "speedup_* against sequential per-adapter HF+PEFT runs batched as given in settings "
             "(seq_gen_batch prompts per generate(), seq_ll_batch contexts per forward); *_vs_batch1 against "
-            "lm-eval's default batch_size=1",
+            "lm-eval's default batch_size=1; *_ceiling = the same sequential seconds over the ceiling row's (base "
+            "model alone on the same tokens): the most any multi-adapter implementation on this base could reach",
             "same_work": "same prompts/contexts, same adapters' weights, exactly new_tokens greedy tokens per "
             "sequence on both sides (no stop sequences, EOS ignored); one row per context for one-token "
             "continuations on both sides",

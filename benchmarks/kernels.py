@@ -16,14 +16,20 @@ forward + backward (grads to x, A, B) of
   ``torch.cat`` of per-adapter weights the engine does; ``ours_f32w`` (K = 32 only) uses fp32
   master weights, as PEFT keeps them; also at K = 32 only: ``ours_op`` goes through the torch
   custom op (what torch.compile sees) instead of the eager autograd.Function,
-  ``ours_unfused_dx`` launches dx apart from dA, ``ours_per_rank`` launches per rank tile.
+  ``ours_unfused_dx`` launches dx apart from dA, ``ours_per_rank`` launches per rank tile;
+  and with a frozen base weight W (d_out × d_in): ``linear_base`` (``F.linear`` alone, grad to x),
+  ``linear_add`` (``F.linear`` then ``packed_lora_add_triton``: autograd adds two dx) and
+  ``linear_fused`` (``adapted_linear_triton``: the adapters' dx is added into dy·W in place).
 
 Bandwidth: fewest bytes fwd+bwd must move (x read twice, y written, dy read, dx written, weights
 and their grads) over our time, against a device-to-device copy measured in the same run.
 ``roofline_ms`` is that byte count at the copy rate: no implementation that moves those bytes
 can be faster, so ``loop_ms / roofline_ms`` caps the speedup over the loop.
-``--sweep`` also times each kernel phase under candidate tile configurations. ``--tiny`` runs
-a few small shapes (on CPU under TRITON_INTERPRET=1) to check the script itself.
+``--sweep`` times each kernel phase of a mixed-rank K=32 pack under candidate tile
+configurations, ``--waves-sweep`` small packs under several reduction splits. ``--warm N``
+first compiles every kernel variant the rows need in N processes at once (Triton's on-disk
+cache is shared), since compiling dominates a cold run. ``--tiny`` runs a few small shapes (on
+CPU under TRITON_INTERPRET=1) to check the script itself.
 """
 
 from __future__ import annotations
@@ -73,6 +79,21 @@ def bench(fn: Callable[[], object], cuda: bool, rep_ms: int) -> float:
     return statistics.median(times)
 
 
+def host_ms(fn: Callable[[], object], cuda: bool, calls: int = 20) -> float:
+    """Host milliseconds to issue one call of ``fn`` (no wait for the GPU, whose queue does not
+    fill in so few calls): the floor of a host-bound row's time."""
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = (time.perf_counter() - t0) * 1e3 / calls
+    if cuda:
+        torch.cuda.synchronize()
+    return elapsed
+
+
 def copy_bandwidth(device: torch.device, cuda: bool) -> float:
     """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
     n = (1 << 30) if cuda else (1 << 20)
@@ -118,6 +139,7 @@ class Problem:
         self.s = torch.tensor(self.scalings, device=device, dtype=bf16)
         self.offs = torch.tensor(self.layout.token_offsets[1:], device=device, dtype=torch.int32)
         self.s_rows = self.s.repeat_interleave(tokens)
+        self.w = rand(d_out, d_in, scale=d_in**-0.5)  # frozen base weight of the linear_* methods
 
     def min_bytes(self) -> int:
         """Fewest bytes of one fwd+bwd: x twice, y, dy, dx; A and B read twice, grads written."""
@@ -129,7 +151,8 @@ class Problem:
 
 def methods(p: Problem) -> dict[str, Callable[[], object]]:
     from plora_hpo.kernels import _tuning, packed_lora_reference
-    from plora_hpo.kernels.triton_lora import packed_lora_op, packed_lora_triton
+    from plora_hpo.kernels.adapted_linear import adapted_linear_triton
+    from plora_hpo.kernels.triton_lora import packed_lora_add_triton, packed_lora_op, packed_lora_triton
 
     def fwd_bwd(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], object]:
         return lambda: torch.autograd.grad(forward(), leaves, p.dy)
@@ -177,6 +200,12 @@ def methods(p: Problem) -> dict[str, Callable[[], object]]:
         out["ours_unfused_dx"] = tuned(fuse_dx=False)
         if len(set(p.ranks)) > 1:
             out["ours_per_rank"] = tuned(merge_ranks=False)
+        lora = [p.x, p.a_cat, p.b_cat]
+        out["linear_base"] = fwd_bwd(lambda: torch.nn.functional.linear(p.x, p.w), [p.x])
+        out["linear_add"] = fwd_bwd(
+            lambda: packed_lora_add_triton(torch.nn.functional.linear(p.x, p.w), p.x, p.a_cat, p.b_cat, p.layout), lora
+        )
+        out["linear_fused"] = fwd_bwd(lambda: adapted_linear_triton(p.x, p.w, None, p.a_cat, p.b_cat, p.layout), lora)
     if hasattr(torch, "_grouped_mm") and p.x.is_cuda:
         out["grouped"] = fwd_bwd(grouped, [p.x, p.a_pad, p.b_pad])
     return out
@@ -196,6 +225,8 @@ def run_rows(
                 for name, fn in methods(p).items():
                     try:
                         row[f"{name}_ms"] = bench(fn, cuda, args.rep_ms)
+                        if name in ("ours", "bmm"):
+                            row[f"{name}_host_ms"] = host_ms(fn, cuda)
                     except Exception as exc:  # a baseline this PyTorch cannot run
                         row[f"{name}_error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                 ours = row["ours_ms"]
@@ -208,6 +239,8 @@ def run_rows(
                 padded = [row[m] for m in ("bmm_ms", "grouped_ms") if m in row]
                 row["padded_ms"] = min(padded)
                 row["ratio_vs_padded"] = ours / row["padded_ms"]
+                if "linear_fused_ms" in row and "linear_add_ms" in row:
+                    row["linear_fused_vs_add"] = row["linear_fused_ms"] / row["linear_add_ms"]
                 rows.append(row)
                 save(rows)  # a run cut short keeps every finished row
                 print(json.dumps(row), flush=True)
@@ -218,13 +251,15 @@ def run_rows(
 
 
 def correctness(device: torch.device, tokens: int) -> dict:
-    """bf16 activations (bf16 and fp32 weights) against fp64, ragged segments, mixed ranks."""
+    """bf16 activations (bf16 and fp32 weights) against fp64, ragged segments, mixed ranks whose
+    total (504) is not a multiple of 16 (B's row stride gets the kernels' alignment hints). Each
+    case runs twice, the second time through the compiled launchers; the worse error is kept."""
     from plora_hpo.kernels import SegmentLayout, packed_lora_reference
     from plora_hpo.kernels.triton_lora import packed_lora_add_triton
 
     gen = torch.Generator().manual_seed(0)
     counts = [tokens, 0, tokens // 2 + 3, 1, tokens - 5, 17, tokens, 2 * tokens // 3]
-    ranks = [8, 128, 128, 16, 64, 8, 32, 128]
+    ranks = [8, 128, 128, 16, 64, 8, 32, 120]
     layout = SegmentLayout.from_counts(counts, ranks, [0.5, 2, 1, 4, 0.25, 1, 2, 0.5], token_start=5)
     d_in, d_out = SHAPES["7b.up"] if device.type == "cuda" else (40, 72)
     n = layout.token_offsets[-1] + 7
@@ -235,20 +270,21 @@ def correctness(device: torch.device, tokens: int) -> dict:
         b = (torch.randn(d_out, sum(ranks), generator=gen) * 0.1).to(device, w_dtype).requires_grad_()
         base = torch.randn(n, d_out, generator=gen).to(device, torch.bfloat16)
         dy = torch.randn(n, d_out, generator=gen).to(device, torch.bfloat16)
-        out = packed_lora_add_triton(base, x, a, b, layout)
-        got = [out, *torch.autograd.grad(out, (x, a, b), dy)]
         ref64 = [t.detach().double().requires_grad_() for t in (x, a, b)]
         delta = packed_lora_reference(*ref64, layout)
         want = [base.double() + delta, *torch.autograd.grad(delta, ref64, dy.double())]
-        result[w_name] = {
-            name: ((g.double() - w).norm() / w.norm()).item()
-            for name, g, w in zip(("out", "dx", "dA", "dB"), got, want)
-        }
+        errors: dict[str, float] = {}
+        for _ in range(2):
+            out = packed_lora_add_triton(base, x, a, b, layout)
+            got = [out, *torch.autograd.grad(out, (x, a, b), dy)]
+            for name, g, w in zip(("out", "dx", "dA", "dB"), got, want):
+                errors[name] = max(errors.get(name, 0.0), ((g.double() - w).norm() / w.norm()).item())
+        result[w_name] = errors
     return result
 
 
 def _phases(kernel: str, x, dy, a, b, h, out, dx, plan, t) -> dict[str, tuple[Callable[[], object], int]]:
-    """The two passes of ``kernel`` in a fwd+bwd, each with the elements of its big tensor."""
+    """The two passes of ``kernel`` in a fwd+bwd, each with the elements of its big tensor(s)."""
     from plora_hpo.kernels._launch import expand, shrink, weight_grad
 
     n_in, n_out = x.numel(), dy.numel()
@@ -260,49 +296,53 @@ def _phases(kernel: str, x, dy, a, b, h, out, dx, plan, t) -> dict[str, tuple[Ca
     if kernel == "expand":
         return {
             "fwd h.Bt": (lambda: expand(h, b, b.stride(1), b.stride(0), out, None, plan, t), n_out),
-            "bwd g.A": (lambda: expand(h, a, a.stride(0), a.stride(1), dx, None, plan, t), n_in),
+            "fwd base+h.Bt in place": (lambda: expand(h, b, b.stride(1), b.stride(0), out, out, plan, t), 2 * n_out),
         }
     return {
         "bwd dB": (lambda: weight_grad(dy, h, b, 1, plan, t), n_out),
-        "bwd dA": (lambda: weight_grad(x, h, a, 0, plan, t), n_in),
+        "bwd dA+dx": (lambda: weight_grad(x, h, a, 0, plan, t, dx=(a, dx)), 2 * n_in),
     }
 
 
 def sweep(device: torch.device, cuda: bool, tokens: int) -> list[dict]:
-    """Time each kernel phase alone under candidate tiles; bandwidth counts its big tensor once."""
+    """Time each kernel phase alone: a mixed-rank pack under candidate tiles (the first is the
+    default; ``block_c_big`` is the column block of rank tiles ≥ 128), then a few other packs
+    under the defaults; bandwidth counts the big tensors once."""
     from plora_hpo.kernels import _tuning
     from plora_hpo.kernels._launch import shrink
     from plora_hpo.kernels._plan import plan_for
 
-    lc = _tuning.LaunchConfig
-    candidates = {  # kernel: [(block_m, config)]; the first is the default
-        "shrink": [(64, lc(64, 4, 4)), (64, lc(128, 4, 4)), (128, lc(64, 8, 4)), (64, lc(64, 4, 6))],
-        "expand": [(64, lc(128, 4, 3)), (64, lc(64, 4, 3)), (128, lc(128, 8, 3)), (64, lc(256, 8, 3))],
-        "outer": [(64, lc(64, 4, 3)), (64, lc(128, 8, 3)), (128, lc(64, 8, 3)), (64, lc(128, 4, 4))],
+    lc, default = _tuning.LaunchConfig, _tuning.Tuning()
+    others = {
+        "shrink": [lc(64, 8, 4, 32), lc(64, 8, 4, 64), lc(128, 8, 3, 64)],
+        "expand": [lc(128, 8, 3, 64), lc(64, 8, 3, 32), lc(64, 4, 3, 64)],
+        "outer": [lc(64, 8, 3, 64), lc(128, 8, 3, 128), lc(64, 4, 3, 32)],
     }
+    candidates = {kernel: [getattr(default, kernel), *configs] for kernel, configs in others.items()}
+    packs = [("7b.up", 32, "mixed", candidates)]  # every candidate; then the defaults alone:
+    if cuda:
+        default = {kernel: options[:1] for kernel, options in candidates.items()}
+        packs += [("7b.up", 32, "uniform64", default), ("7b.up", 8, "uniform16", default)]
+        packs += [("3b.q_o", 32, "uniform16", default), ("3b.up", 32, "mixed", default)]
     results = []
-    shapes = ["7b.up"] if cuda else ["tiny"]
-    for shape in shapes:
-        d_in, d_out = SHAPES.get(shape, (64, 96))
-        for rank in (64, 128):
-            p = Problem(d_in, d_out, [rank] * (32 if cuda else 2), tokens, device)
-            x, dy, a, b = p.x.detach(), p.dy, p.a_cat.detach(), p.b_cat.detach()
-            n = x.shape[0]
-            for kernel, options in candidates.items():
-                for block_m, cfg in options:
-                    with _tuning.override(block_m=block_m, **{kernel: cfg}) as t:
-                        plan = plan_for(p.layout, block_m, device)
-                        h = shrink(x, a, a.stride(1), a.stride(0), plan, t)
-                        out = torch.empty(n, d_out, device=device, dtype=x.dtype)
-                        dx = torch.empty_like(x)
-                        phases = _phases(kernel, x, dy, a, b, h, out, dx, plan, t)
-                        for phase, (fn, elems) in phases.items():
-                            ms = bench(fn, cuda, 20)
-                            row = {"shape": shape, "rank": rank, "kernel": kernel, "phase": phase}
-                            row.update(block_m=block_m, config=asdict(cfg), ms=ms, GBps=2 * elems / ms / 1e6)
-                            results.append(row)
-                            print(json.dumps(row), flush=True)
-            del p
+    for shape, k, rank_name, configs in packs:
+        d_in, d_out = SHAPES[shape] if cuda else (64, 96)
+        p = Problem(d_in, d_out, ranks_for(rank_name, k if cuda else 5), tokens, device)
+        x, dy, a, b = p.x.detach(), p.dy, p.a_cat.detach(), p.b_cat.detach()
+        for kernel, options in configs.items():
+            for cfg in options:
+                with _tuning.override(**{kernel: cfg}) as t:
+                    plan = plan_for(p.layout, t.block_m, device)
+                    h = shrink(x, a, a.stride(1), a.stride(0), plan, t)
+                    out = torch.empty(x.shape[0], d_out, device=device, dtype=x.dtype)
+                    dx = torch.empty_like(x)
+                    for phase, (fn, elems) in _phases(kernel, x, dy, a, b, h, out, dx, plan, t).items():
+                        ms = bench(fn, cuda, 20)
+                        row = {"shape": shape, "K": k, "ranks": rank_name, "kernel": kernel, "phase": phase}
+                        row.update(config=asdict(cfg), ms=ms, GBps=2 * elems / ms / 1e6)
+                        results.append(row)
+                        print(json.dumps(row), flush=True)
+        del p
     return results
 
 
@@ -325,6 +365,33 @@ def waves_sweep(device: torch.device, cuda: bool, tokens: int) -> list[dict]:
     return results
 
 
+def _warm_one(job: tuple[int, int, int, str, int]) -> None:
+    """Run each Triton method of one row once (in a worker process: compiles, times nothing)."""
+    d_in, d_out, k, rank_name, tokens = job
+    cuda = torch.cuda.is_available()
+    p = Problem(d_in, d_out, ranks_for(rank_name, k), tokens, torch.device("cuda" if cuda else "cpu"))
+    for name, fn in methods(p).items():
+        if name.startswith(("ours", "linear")):
+            fn()
+    if cuda:
+        torch.cuda.synchronize()
+        del p
+        torch.cuda.empty_cache()  # 14 workers must not each keep a 7B pack's memory reserved
+
+
+def warm(args: argparse.Namespace, procs: int) -> float:
+    """Compile the kernel variants of every row in ``procs`` processes at once; seconds taken.
+
+    Rows of one (ranks, K) mostly share variants, so the jobs go out one shape at a time."""
+    import multiprocessing
+
+    t0 = time.perf_counter()
+    jobs = [(*SHAPES[s], k, r, args.tokens) for s in args.shapes for r in args.ranks for k in args.adapters]
+    with multiprocessing.get_context("spawn").Pool(procs) as pool:
+        pool.map(_warm_one, jobs, chunksize=1)
+    return time.perf_counter() - t0
+
+
 def summarize(rows: list[dict]) -> dict:
     def med(values: list[float]) -> float | None:
         return statistics.median(values) if values else None
@@ -343,11 +410,13 @@ def summarize(rows: list[dict]) -> dict:
         "bandwidth_fraction_best": max(r["bandwidth_fraction"] for r in rows),
         "ratio_vs_padded_uniform_k32": med([r["ratio_vs_padded"] for r in uniform if r["K"] == k_max]),
         "speedup_vs_loop_k32_roofline_cap": med([r["loop_ms"] / r["roofline_ms"] for r in mixed_kmax]),
+        "linear_fused_vs_add_k32": med([r["linear_fused_vs_add"] for r in rows if "linear_fused_vs_add" in r]),
         "definitions": (
             f"speedups: median over shapes of loop/ours at K={k_max}, mixed ranks; ratios: median of "
             f"ours/min(bmm, grouped) time; bandwidth_fraction: median over K={k_max} rows of "
             f"(min_bytes/ours time)/copy bandwidth; speedup_vs_loop_k32_roofline_cap: median of "
-            f"loop/(min_bytes at the copy rate), the most any kernel could reach"
+            f"loop/(min_bytes at the copy rate), the most any kernel could reach; "
+            f"linear_fused_vs_add_k32: median of adapted_linear time / (F.linear + packed_lora_add) time"
         ),
     }
 
@@ -374,6 +443,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024, help="rows per adapter")
     parser.add_argument("--rep-ms", type=int, default=25)
     parser.add_argument("--sweep", action="store_true", help="also time kernel phases per tile config")
+    parser.add_argument("--waves-sweep", action="store_true", help="also time small packs per split target")
+    parser.add_argument("--warm", type=int, default=0, help="compile the rows' kernels in N processes first")
     parser.add_argument("--no-rows", action="store_true", help="skip the main comparison")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: check the script on CPU")
     args = parser.parse_args()
@@ -407,10 +478,14 @@ def main() -> None:
         report["rows"], report["summary"] = rows, summarize(rows)
         out.write_text(json.dumps(report, indent=1))
 
+    if args.warm and not args.no_rows:
+        report["warm_s"] = warm(args, args.warm)
+        print(f"compiled in {args.warm} processes in {report['warm_s']:.0f} s", flush=True)
     if not args.no_rows:
         run_rows(args, device, cuda, copy_gbps, save)
     if args.sweep:  # after the rows, so a run cut short still leaves them on disk
         report["sweep"] = sweep(device, cuda, args.tokens)
+    if args.waves_sweep:
         report["waves_sweep"] = waves_sweep(device, cuda, args.tokens)
     out.write_text(json.dumps(report, indent=1))
     if not args.no_rows:

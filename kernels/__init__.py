@@ -1,12 +1,20 @@
 """Packed multi-LoRA operators: K adapters of mixed rank applied to their own token segments.
 
 Importable with torch alone (Triton is optional): the engine, the evaluator and the GPU
-benchmarks all call :func:`packed_lora` and get the Triton kernels on CUDA, the pure-PyTorch
-reference elsewhere.
+benchmarks call :func:`adapted_linear` (base layer and adapters in one node),
+:func:`packed_lora_add` or :func:`packed_lora` and get the Triton kernels on CUDA, the
+pure-PyTorch reference elsewhere.
 """
 
-from plora_hpo.kernels.dispatch import packed_lora, packed_lora_add
+from plora_hpo.kernels.dispatch import adapted_linear, packed_lora, packed_lora_add
 from plora_hpo.kernels.layout import SegmentLayout
-from plora_hpo.kernels.reference import packed_lora_reference
+from plora_hpo.kernels.reference import adapted_linear_reference, packed_lora_reference
 
-__all__ = ["SegmentLayout", "packed_lora", "packed_lora_add", "packed_lora_reference"]
+__all__ = [
+    "SegmentLayout",
+    "adapted_linear",
+    "adapted_linear_reference",
+    "packed_lora",
+    "packed_lora_add",
+    "packed_lora_reference",
+]

@@ -7,9 +7,11 @@ A reduction is split across programs (fp32 atomics into a zeroed buffer, then a 
 one program would otherwise stream megabytes while the GPU sits idle: on small problems the
 extra memset and cast launches cost more than the parallelism gains.
 
-Everything that depends only on the layout, the width of the big tensor, its dtype and the
-tuning (groups, grids, splits, constexprs, rows no tile writes) is worked out once and cached
-on the plan (``Plan.launch_specs``): a layer call then costs its allocations and launches only.
+Everything that depends only on the layout, the sizes, strides and dtypes of the tensors and
+the tuning (groups, grids, splits, constexprs, rows no tile writes) is worked out once and
+cached on the plan (``Plan.launch_specs``) as :class:`~plora_hpo.kernels._compiled.Launch`
+objects, which after their first call skip Triton's per-call dispatch: a layer call then costs
+its allocations and the launches themselves.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ from typing import Any
 
 import torch
 
+from plora_hpo.kernels._compiled import Launch
 from plora_hpo.kernels._plan import LaunchGroup, Plan
 from plora_hpo.kernels._segment_kernels import expand_kernel, outer_kernel, shrink_kernel
-from plora_hpo.kernels._tuning import Tuning, cdiv, multiprocessors
+from plora_hpo.kernels._tuning import LaunchConfig, Tuning, cdiv, multiprocessors
 
 _MIN_BLOCKS_PER_SPLIT = 4  # a split of a hidden-dim reduction keeps its loads pipelined
 _SPLIT_BYTES = 1 << 20  # a split reads at least this much of the big tensor
@@ -31,16 +34,8 @@ _merge_failed: list[bool] = []  # set once if the rank-branching kernels fail to
 
 
 @dataclass(frozen=True)
-class _Launch:
-    group: LaunchGroup
-    grid: tuple[int, ...]
-    constexprs: dict[str, Any]
-    grid_c: int = 1  # expand: column programs per row tile
-
-
-@dataclass(frozen=True)
 class _Spec:
-    launches: tuple[_Launch, ...]
+    launches: tuple[Launch, ...]
     atomic: bool  # a split reduction: accumulate in a zeroed fp32 buffer
     bare_rows: tuple[tuple[int, int], ...] = ()  # rows no tile writes (expand, fused dx)
 
@@ -52,9 +47,10 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, tuni
 
 
 def _split(forced: int | None, cap: int, programs: int, bytes_per_program: int, target: int) -> int:
-    """How many partial sums to cut a reduction into (1: no atomics)."""
+    """How many partial sums to cut a reduction into (1: no atomics). A forced count is taken as
+    is (tests: an empty split just adds zeros)."""
     if forced:
-        return max(1, min(forced, cap))
+        return forced
     if programs >= target or bytes_per_program < 2 * _SPLIT_BYTES:
         return 1
     return max(1, min(cdiv(target, programs), cap, bytes_per_program // _SPLIT_BYTES))
@@ -74,7 +70,7 @@ def _run(
     spec = plan.launch_specs.get(full_key)
     if spec is None:
         spec = plan.launch_specs[full_key] = build(plan.groups(merge))
-    if not (merge and any(len(g.rank_tiles) > 1 for g in plan.merged)):
+    if not (merge and plan.branching):
         return launch(spec)
     try:
         return launch(spec)
@@ -84,17 +80,37 @@ def _run(
         return launch(build(plan.per_rank))
 
 
-def _consts(g: LaunchGroup, block_m: int, cfg: Any, n_cols: int, align: int, **extra: Any) -> dict:
-    return {
+def _hint(stride: int) -> int:
+    """The power of two (≤ 16) dividing a stride, which the kernels hint on the offsets it scales
+    (Triton specialises only on multiples of 16); 1, no hint, for a unit stride."""
+    if stride == 1:
+        return 1
+    align = 16
+    while stride % align:
+        align //= 2
+    return align
+
+
+def _consts(
+    g: LaunchGroup, block_m: int, cfg: LaunchConfig, n_cols: int, align: int, **extra: Any
+) -> tuple[dict[str, Any], list[int]]:
+    """The constexprs and launch options of one group's launch, and its bodies' column widths
+    (as the kernels derive them: ``BLOCK_C`` to rank tile 64, ``BLOCK_C_BIG·128/tile`` above)."""
+    big = cfg.block_c if cfg.block_c_big is None else cfg.block_c_big
+    big = max([big, *(16 * t // 128 for t in g.rank_tiles)])  # no body narrower than tl.dot's 16
+    widths = [cfg.block_c if t <= 64 else big * 128 // t for t in g.rank_tiles]
+    consts = {
         **g.flags(),
         "BLOCK_M": block_m,
         "BLOCK_C": cfg.block_c,
-        "EVEN_C": n_cols % cfg.block_c == 0,
+        "BLOCK_C_BIG": big,
+        "EVEN_C": n_cols % max(widths) == 0,  # powers of two: every width divides then
         "ALIGN": align,
         "num_warps": cfg.num_warps,
         "num_stages": cfg.num_stages,
         **extra,
     }
+    return consts, widths
 
 
 def shrink(
@@ -107,18 +123,21 @@ def shrink(
     halves that traffic and the memory autograd keeps for the backward.
     """
     n_cols = m.shape[1]
+    ints = (n_cols, *m.stride(), stride_wc, stride_wr)
 
     def build(groups: tuple[LaunchGroup, ...]) -> _Spec:
         cfg = tuning.shrink
         target = tuning.waves * multiprocessors(m.device)
-        cap = max(1, cdiv(n_cols, cfg.block_c) // _MIN_BLOCKS_PER_SPLIT)
         per_program = tuning.block_m * n_cols * m.element_size()
         launches = []
         for g in groups:
+            consts, widths = _consts(g, tuning.block_m, cfg, n_cols, plan.align)
+            cap = max(1, cdiv(n_cols, max(widths)) // _MIN_BLOCKS_PER_SPLIT)
             split = _split(tuning.shrink_split, cap, g.num_tiles, per_program, target)
-            consts = _consts(g, tuning.block_m, cfg, n_cols, plan.align, USE_ATOMIC=split > 1)
-            launches.append(_Launch(g, (g.num_tiles, split), consts))
-        return _Spec(tuple(launches), any(sp.grid[1] > 1 for sp in launches))
+            consts.update(USE_ATOMIC=split > 1, W_ALIGN_C=_hint(stride_wc), W_ALIGN_R=_hint(stride_wr))
+            fixed = (g.tiles, plan.token_offsets, plan.rank_offsets, plan.h_offsets, plan.scalings, *ints)
+            launches.append(Launch(shrink_kernel, (g.num_tiles, split, 1), 3, fixed, consts))
+        return _Spec(tuple(launches), any(ln.grid[1] > 1 for ln in launches))
 
     def launch(spec: _Spec) -> torch.Tensor:
         numel = max(plan.h_numel, 1)
@@ -127,13 +146,10 @@ def shrink(
         else:
             h = empty((numel,), m.dtype, m.device, tuning)
         for ln in spec.launches:
-            shrink_kernel[ln.grid](
-                m, w, h, ln.group.tiles, plan.token_offsets, plan.rank_offsets, plan.h_offsets, plan.scalings,
-                n_cols, m.stride(0), m.stride(1), stride_wc, stride_wr, **ln.constexprs,
-            )  # fmt: skip
+            ln(m, w, h)
         return h.to(m.dtype) if spec.atomic else h
 
-    return _run(plan, tuning, ("shrink", n_cols, m.dtype), build, launch)
+    return _run(plan, tuning, ("shrink", *ints, m.dtype, w.dtype), build, launch)
 
 
 def _bare_rows(out: torch.Tensor, base: torch.Tensor | None, rows: tuple[tuple[int, int], ...]) -> None:
@@ -154,32 +170,39 @@ def expand(
     plan: Plan,
     tuning: Tuning,
 ) -> torch.Tensor:
-    """Fill ``out`` with ``base + h_k · w_k`` on adapter rows and ``base`` (or 0) elsewhere."""
+    """Fill ``out`` with ``base + h_k · w_k`` on adapter rows and ``base`` (or 0) elsewhere.
+
+    ``base`` may be ``out`` itself: the delta is then added in place and other rows are left
+    as they are.
+    """
     n_rows, n_cols = out.shape
     src = out if base is None else base
+    in_place = base is out
+    ints = (n_cols, stride_wr, stride_wc, *out.stride(), *src.stride())
 
     def build(groups: tuple[LaunchGroup, ...]) -> _Spec:
         cfg = tuning.expand
         target = tuning.waves * multiprocessors(out.device)
-        n_blocks = cdiv(n_cols, cfg.block_c)
         launches = []
         for g in groups:
-            grid_c = min(tuning.expand_grid or max(1, cdiv(target, g.num_tiles)), n_blocks)
-            consts = _consts(g, tuning.block_m, cfg, n_cols, plan.align, HAS_BASE=base is not None)
-            launches.append(_Launch(g, (g.num_tiles * grid_c,), consts, grid_c))
-        return _Spec(tuple(launches), False, tuple(plan.rows_without_delta(n_rows)))
+            consts, widths = _consts(
+                g, tuning.block_m, cfg, n_cols, plan.align,
+                HAS_BASE=base is not None, W_ALIGN_R=_hint(stride_wr), W_ALIGN_C=_hint(stride_wc),
+            )  # fmt: skip
+            grid_c = min(tuning.expand_grid or max(1, cdiv(target, g.num_tiles)), cdiv(n_cols, min(widths)))
+            fixed = (g.tiles, plan.token_offsets, plan.rank_offsets, plan.h_offsets, n_cols, grid_c, *ints[1:])
+            launches.append(Launch(expand_kernel, (g.num_tiles * grid_c, 1, 1), 4, fixed, consts))
+        bare = () if in_place else tuple(plan.rows_without_delta(n_rows))
+        return _Spec(tuple(launches), False, bare)
 
     def launch(spec: _Spec) -> torch.Tensor:
         for ln in spec.launches:
-            expand_kernel[ln.grid](
-                h, w, out, src, ln.group.tiles, plan.token_offsets, plan.rank_offsets, plan.h_offsets,
-                n_cols, ln.grid_c, stride_wr, stride_wc, out.stride(0), out.stride(1), src.stride(0), src.stride(1),
-                **ln.constexprs,
-            )  # fmt: skip
+            ln(h, w, out, src)
         _bare_rows(out, base, spec.bare_rows)
         return out
 
-    return _run(plan, tuning, ("expand", n_rows, n_cols, out.dtype, base is not None), build, launch)
+    key = ("expand", n_rows, *ints, h.dtype, w.dtype, out.dtype, src.dtype, base is not None, in_place)
+    return _run(plan, tuning, key, build, launch)
 
 
 def weight_grad(
@@ -190,28 +213,42 @@ def weight_grad(
     plan: Plan,
     tuning: Tuning,
     dx: tuple[torch.Tensor, torch.Tensor] | None = None,
+    accumulate: bool = False,
 ) -> torch.Tensor:
     """Gradient shaped like ``like`` (A: rank_dim 0, B: rank_dim 1): ``Σ_t m[t, c] h[t, j]``.
 
-    With ``dx=(a_cat, dx_out)`` (the dA pass: m = x, h = g) it also fills ``dx_out`` (shaped
-    like x) with ``g · A_k`` on adapter rows and 0 elsewhere, in the same pass over the rows.
+    With ``dx=(a_cat, dx_out)`` (the dA pass: m = x, h = g) it also writes ``g · A_k`` into
+    ``dx_out`` (shaped like x) in the same pass over the rows: on adapter rows, with 0 on the
+    others; or, with ``accumulate``, added to what ``dx_out`` holds, other rows untouched.
     """
     n_rows, n_cols = m.shape
     fused = dx is not None
+    a, d = dx if fused else (m, m)  # unused pointers when not fused
+    out_strides = (like.shape[1], 1)  # the gradient is allocated contiguous
+    stride_oc, stride_or = out_strides[1 - rank_dim], out_strides[rank_dim]
+    ints = (n_cols, *m.stride(), stride_oc, stride_or, *a.stride(), *d.stride())
+    hints = {
+        "O_ALIGN_C": _hint(stride_oc),
+        "O_ALIGN_R": _hint(stride_or),
+        "A_ALIGN_R": _hint(a.stride(0)),
+        "A_ALIGN_C": _hint(a.stride(1)),
+    }
 
     def build(groups: tuple[LaunchGroup, ...]) -> _Spec:
         cfg = tuning.outer
         block_m = tuning.outer_block_m
         target = tuning.waves * multiprocessors(m.device)
-        n_blocks = cdiv(n_cols, cfg.block_c)
         launches = []
         for g in groups:
-            per_program = g.max_rows * cfg.block_c * m.element_size() * (2 if fused else 1)
-            programs = n_blocks * g.num_adapters
+            consts, widths = _consts(g, block_m, cfg, n_cols, plan.align, DX=fused, DX_ACC=fused and accumulate)
+            n_steps = cdiv(n_cols, min(widths))
+            per_program = g.max_rows * max(widths) * m.element_size() * (2 if fused else 1)
+            programs = n_steps * g.num_adapters
             split = _split(tuning.outer_split, cdiv(g.max_rows, block_m), programs, per_program, target)
-            consts = _consts(g, block_m, cfg, n_cols, plan.align, USE_ATOMIC=split > 1, DX=fused)
-            launches.append(_Launch(g, (n_blocks, g.num_adapters, split), consts))
-        bare = tuple(plan.rows_without_delta(n_rows)) if fused else ()
+            consts.update(GRID_C=min(widths), USE_ATOMIC=split > 1, **hints)
+            fixed = (g.adapters, plan.token_offsets, plan.rank_offsets, plan.h_offsets, *ints)
+            launches.append(Launch(outer_kernel, (n_steps, g.num_adapters, split), 5, fixed, consts))
+        bare = tuple(plan.rows_without_delta(n_rows)) if fused and not accumulate else ()
         return _Spec(tuple(launches), any(ln.grid[2] > 1 for ln in launches), bare)
 
     def launch(spec: _Spec) -> torch.Tensor:
@@ -220,15 +257,10 @@ def weight_grad(
             out = torch.zeros(like.shape, dtype=dtype, device=like.device)
         else:
             out = empty(tuple(like.shape), dtype, like.device, tuning)
-        a, d = dx if fused else (m, m)  # unused pointers when not fused
         for ln in spec.launches:
-            outer_kernel[ln.grid](
-                m, h, out, a, d, ln.group.adapters, plan.token_offsets, plan.rank_offsets, plan.h_offsets,
-                n_cols, m.stride(0), m.stride(1), out.stride(1 - rank_dim), out.stride(rank_dim),
-                a.stride(0), a.stride(1), d.stride(0), d.stride(1), **ln.constexprs,
-            )  # fmt: skip
-        if fused:
-            _bare_rows(d, None, spec.bare_rows)
-        return out.to(like.dtype)
+            ln(m, h, out, a, d)
+        _bare_rows(d, None, spec.bare_rows)
+        return out.to(like.dtype) if spec.atomic else out
 
-    return _run(plan, tuning, ("outer", n_rows, n_cols, m.dtype, like.dtype, rank_dim, fused), build, launch)
+    key = ("outer", n_rows, *ints, tuple(like.shape), m.dtype, h.dtype, like.dtype, a.dtype, d.dtype, rank_dim)
+    return _run(plan, tuning, (*key, fused, accumulate), build, launch)

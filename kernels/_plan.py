@@ -80,9 +80,11 @@ class Plan:
     adapter_rows: tuple[int, int]
     rankless_rows: tuple[tuple[int, int], ...]
     all_columns_written: bool
+    branching: bool  # a merged launch branches between rank bodies (may fail to build)
     launch_specs: dict[Any, Any] = field(default_factory=dict, compare=False, repr=False)
-    """Grids and constexprs per (kernel, width, dtype, tuning), filled by ``_launch`` on first
-    use, so a layer call after the first does no planning in Python."""
+    """Launches (grids, fixed arguments, constexprs, compiled kernels) per (kernel, sizes, strides,
+    dtypes, tuning), filled by ``_launch`` on first use, so a layer call after the first does no
+    planning in Python and no Triton dispatch."""
 
     def groups(self, merge: bool) -> tuple[LaunchGroup, ...]:
         return self.merged if merge else self.per_rank
@@ -160,9 +162,14 @@ def build_plan(layout: SegmentLayout, block_m: int, device: torch.device) -> Pla
         adapter_rows=(tok[0], tok[-1]),
         rankless_rows=tuple(rankless),
         all_columns_written=all_columns_written,
+        branching=any(len(g.rank_tiles) > 1 for g in merged),
     )
 
 
 def plan_for(layout: SegmentLayout, block_m: int, device: torch.device) -> Plan:
     """The plan, built once per (layout, tile height, device) and cached on the layout."""
-    return layout.cached(("triton_plan", block_m, str(device)), lambda: build_plan(layout, block_m, device))
+    plans = layout.cached("triton_plans", dict)  # keyed by the device object: no str() per call
+    plan = plans.get((block_m, device))
+    if plan is None:
+        plan = plans[block_m, device] = build_plan(layout, block_m, device)
+    return plan

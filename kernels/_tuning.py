@@ -3,10 +3,13 @@
 Kept apart from the kernels so the benchmark can sweep them and the tests can force the
 split (atomic) paths on a CPU interpreter that would never choose them by itself.
 
-Defaults come from one H200 sweep (benchmarks/results/kernels-h200-run1.json, 7b.up, K=32,
-before the rank-alignment hints): 128-row tiles for shrink/expand (halve the weight re-reads
-per byte of activations), 8 warps; outer products 64 rows × 128 columns, 8 warps. Not tuned
-since: see the issue notes for what is left.
+Defaults come from H200 sweeps (``benchmarks/kernels.py --sweep``, kernel phases of 7b.up at
+K=32): 128-row tiles for shrink/expand (halve the weight re-reads per byte of activations),
+8 warps; outer products 64 rows × 128 columns, 8 warps; expand writes 64-column blocks (at 128
+its accumulator alone takes 64 registers a thread: one program per multiprocessor, and 20-30%
+slower). Rank tiles of 128 and more take narrower column blocks (``block_c_big``) so that every
+body of a mixed-rank launch stays within 128 registers and ~110 KB of shared memory, two
+programs per multiprocessor as for rank 64 (``ptxas -v`` on sm_90); 64 beat 32 and 128 there.
 """
 
 from __future__ import annotations
@@ -22,11 +25,16 @@ import torch
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    """One kernel's tile width along the hidden dimension and its Triton launch options."""
+    """One kernel's tile width along the hidden dimension and its Triton launch options.
+
+    ``block_c`` serves rank tiles up to 64; ``block_c_big`` (None: ``block_c``) the tile of
+    128, and proportionally less above it. Both are powers of two.
+    """
 
     block_c: int
     num_warps: int = 4
     num_stages: int = 3
+    block_c_big: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,9 +59,9 @@ class Tuning:
     """
 
     block_m: int = 128
-    shrink: LaunchConfig = field(default_factory=lambda: LaunchConfig(64, 8, 4))
-    expand: LaunchConfig = field(default_factory=lambda: LaunchConfig(128, 8, 3))
-    outer: LaunchConfig = field(default_factory=lambda: LaunchConfig(128, 8, 3))
+    shrink: LaunchConfig = field(default_factory=lambda: LaunchConfig(64, 8, 3, block_c_big=64))
+    expand: LaunchConfig = field(default_factory=lambda: LaunchConfig(64, 8, 3, block_c_big=64))
+    outer: LaunchConfig = field(default_factory=lambda: LaunchConfig(128, 8, 3, block_c_big=64))
     outer_block_m: int = 64
     waves: int = 4
     merge_ranks: bool = True

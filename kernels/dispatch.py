@@ -1,4 +1,17 @@
-"""Choose the packed-LoRA implementation for a tensor's device."""
+"""Choose the packed-LoRA implementation for a tensor's device.
+
+Three entry points, each Triton on CUDA and the pure-PyTorch reference elsewhere (CPU, or when
+Triton is missing); ``PLORA_KERNELS=reference|triton|auto`` overrides the choice (``triton`` on
+CPU needs ``TRITON_INTERPRET=1``):
+
+* :func:`packed_lora`: the delta alone.
+* :func:`packed_lora_add`: ``base_out + delta`` for a base output computed elsewhere.
+* :func:`adapted_linear`: the frozen base layer and its adapters together, ``x·Wᵀ (+ bias) +
+  delta``. Preferred for an adapted ``nn.Linear``: its backward produces ``dx = dy·W + the
+  adapters' dx`` in one buffer (the kernel adds into the base matmul's output) instead of two
+  gradients of x that autograd must then add, and its forward adds the delta into the base
+  output in place.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +20,7 @@ import os
 import torch
 
 from plora_hpo.kernels.layout import SegmentLayout
-from plora_hpo.kernels.reference import packed_lora_reference
+from plora_hpo.kernels.reference import adapted_linear_reference, packed_lora_reference
 
 
 def _triton_wanted(x: torch.Tensor) -> bool:
@@ -20,11 +33,7 @@ def _triton_wanted(x: torch.Tensor) -> bool:
 
 
 def packed_lora(x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor, layout: SegmentLayout) -> torch.Tensor:
-    """Packed LoRA delta (see :func:`packed_lora_reference`): Triton on CUDA, PyTorch elsewhere.
-
-    ``PLORA_KERNELS=reference|triton|auto`` overrides the choice (``triton`` on CPU needs
-    ``TRITON_INTERPRET=1``).
-    """
+    """Packed LoRA delta (see :func:`packed_lora_reference`)."""
     if _triton_wanted(x):
         try:
             from plora_hpo.kernels.triton_lora import packed_lora_triton
@@ -51,3 +60,35 @@ def packed_lora_add(
 
         return packed_lora_add_triton(base_out, x, a_cat, b_cat, layout)
     return base_out + packed_lora(x, a_cat, b_cat, layout)
+
+
+def adapted_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    layout: SegmentLayout,
+) -> torch.Tensor:
+    """``x·Wᵀ (+ bias) + delta``: a frozen linear layer plus K packed LoRA adapters.
+
+    Args:
+        x: ``(..., d_in)`` activations; the layout indexes its flattened rows.
+        weight: ``(d_out, d_in)`` frozen base weight (must not require grad), x's dtype.
+        bias: ``(d_out,)`` frozen bias or None.
+        a_cat, b_cat, layout: as for :func:`packed_lora_reference`.
+
+    Returns ``(..., d_out)`` in x's dtype. Gradients flow to x, ``a_cat`` and ``b_cat`` only; on
+    the Triton path dx is ``dy·W`` with the adapters' part added in place (no extra add).
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    if _triton_wanted(x):
+        try:
+            from plora_hpo.kernels.adapted_linear import adapted_linear_triton
+        except ImportError:  # Triton kernels not built yet or triton missing
+            y = adapted_linear_reference(x2, weight, bias, a_cat, b_cat, layout)
+        else:
+            y = adapted_linear_triton(x2, weight, bias, a_cat, b_cat, layout)
+    else:
+        y = adapted_linear_reference(x2, weight, bias, a_cat, b_cat, layout)
+    return y.view(*x.shape[:-1], weight.shape[0])

@@ -35,3 +35,19 @@ def packed_lora_reference(
         pieces.append((xs @ a_parts[k].t()) @ b_parts[k].t() * layout.scalings[k])
     pieces.append(x_parts[-1].new_zeros(n - ends, d_out, dtype=compute_dtype))
     return torch.cat(pieces).to(x.dtype)
+
+
+def adapted_linear_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    a_cat: torch.Tensor,
+    b_cat: torch.Tensor,
+    layout: SegmentLayout,
+) -> torch.Tensor:
+    """``x·Wᵀ (+ bias) + packed_lora_reference(x, a_cat, b_cat, layout)`` for 2-D x, in x's dtype.
+
+    The oracle of :func:`plora_hpo.kernels.adapted_linear.adapted_linear_triton`; autograd adds
+    the two gradients of x here, which is what the Triton path avoids.
+    """
+    return torch.nn.functional.linear(x, weight, bias) + packed_lora_reference(x, a_cat, b_cat, layout)

@@ -1,9 +1,11 @@
 """Autograd entry points of the Triton packed-LoRA kernels.
 
-The engine calls :func:`packed_lora_add_triton` (through ``dispatch.packed_lora_add``) on every
-adapted linear layer: a shrink and an expand launch in the forward; in the backward an outer
-launch for dB, a shrink for ``g = s·dy·B`` and one outer launch that writes dA and dx together
-(per rank tile when the rank-branching kernels cannot be built). Semantics match
+The engine calls :func:`packed_lora_add_triton` (through ``dispatch.packed_lora_add``) or
+:mod:`~plora_hpo.kernels.adapted_linear` (base layer included) on every adapted linear layer: a
+shrink and an expand launch in the forward; in the backward an outer launch for dB, a shrink for
+``g = s·dy·B`` and one outer launch that writes dA and dx together, or adds dx into a given
+buffer (``lora_backward(dx_into=...)``); per rank tile when the rank-branching kernels cannot
+be built. Semantics match
 :func:`plora_hpo.kernels.reference.packed_lora_reference`; the dot products run in the
 activations' dtype (bf16 on the GPU) with fp32 accumulation, whatever the weights' dtype, and
 every gradient comes back in its input's dtype.
@@ -38,24 +40,33 @@ from plora_hpo.kernels.layout import SegmentLayout
 patch_interpreter()
 
 
-def _forward(
+def lora_forward(
     x: torch.Tensor,
     a_cat: torch.Tensor,
     b_cat: torch.Tensor,
     base: torch.Tensor | None,
     layout: SegmentLayout,
     tuning: _tuning.Tuning,
+    in_place: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``base + delta`` or ``delta``, rank buffer ``h = s·x·Aᵀ``) for the backward."""
+    """(``base + delta`` or ``delta``, rank buffer ``h = s·x·Aᵀ``) for the backward.
+
+    ``in_place`` adds the delta into ``base`` itself and returns it (a buffer the caller owns,
+    e.g. the base layer's fresh output), saving a full-size allocation and the copy of the rows
+    without adapters.
+    """
     plan = plan_for(layout, tuning.block_m, x.device)
     h = shrink(x, a_cat, a_cat.stride(1), a_cat.stride(0), plan, tuning)
-    dtype = x.dtype if base is None else base.dtype
-    out = empty((x.shape[0], b_cat.shape[0]), dtype, x.device, tuning)
+    if in_place and base is not None:
+        out = base
+    else:
+        dtype = x.dtype if base is None else base.dtype
+        out = empty((x.shape[0], b_cat.shape[0]), dtype, x.device, tuning)
     expand(h, b_cat, b_cat.stride(1), b_cat.stride(0), out, base, plan, tuning)
     return out, h
 
 
-def _backward(
+def lora_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     a_cat: torch.Tensor,
@@ -66,23 +77,30 @@ def _backward(
     need_x: bool,
     need_a: bool,
     need_b: bool,
+    dx_into: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """dx, dA, dB (None where not needed), DESIGN.md §2 cases 1-4."""
+    """dx, dA, dB (None where not needed), DESIGN.md §2 cases 1-4.
+
+    With ``dx_into`` (shaped like x, e.g. the base layer's ``dy·W``) the adapters' dx is added
+    into it on adapter rows, other rows untouched, and it is returned as dx: no separate dx
+    buffer and no elementwise add of two full-size gradients.
+    """
     plan = plan_for(layout, tuning.block_m, x.device)
     dx = da = db = None
     if need_b:
         db = weight_grad(dy, h, b_cat, 1, plan, tuning)  # case 1: dB_k = dyᵀ · h_k
     if need_x or need_a:
         g = shrink(dy, b_cat, b_cat.stride(0), b_cat.stride(1), plan, tuning)  # case 2: s·dy·B_k
+        accumulate = dx_into is not None
         if need_x:
-            dx = empty(tuple(x.shape), x.dtype, x.device, tuning)
+            dx = dx_into if accumulate else empty(tuple(x.shape), x.dtype, x.device, tuning)
         if need_a and need_x and tuning.fuse_dx:  # cases 3 and 4 in one pass over x and g
-            da = weight_grad(x, g, a_cat, 0, plan, tuning, dx=(a_cat, dx))
+            da = weight_grad(x, g, a_cat, 0, plan, tuning, dx=(a_cat, dx), accumulate=accumulate)
         else:
             if need_a:
                 da = weight_grad(x, g, a_cat, 0, plan, tuning)  # case 3: dA_k = gᵀ · x
-            if need_x:  # case 4: dx = g · A_k
-                expand(g, a_cat, a_cat.stride(0), a_cat.stride(1), dx, None, plan, tuning)
+            if need_x:  # case 4: dx (+)= g · A_k
+                expand(g, a_cat, a_cat.stride(0), a_cat.stride(1), dx, dx if accumulate else None, plan, tuning)
     return dx, da, db
 
 
@@ -103,7 +121,7 @@ class _PackedLoRA(torch.autograd.Function):
         layout: SegmentLayout,
     ) -> torch.Tensor:
         tuning = _tuning.current()
-        out, h = _forward(x, a_cat, b_cat, base, layout, tuning)
+        out, h = lora_forward(x, a_cat, b_cat, base, layout, tuning)
         ctx.save_for_backward(x, a_cat, b_cat, h)
         ctx.layout, ctx.tuning, ctx.has_base = layout, tuning, base is not None
         return out
@@ -112,7 +130,7 @@ class _PackedLoRA(torch.autograd.Function):
     def backward(ctx: torch.autograd.function.FunctionCtx, dy: torch.Tensor):  # type: ignore[override]
         x, a_cat, b_cat, h = ctx.saved_tensors
         need_x, need_a, need_b, need_base = ctx.needs_input_grad[:4]
-        dx, da, db = _backward(dy, x, a_cat, b_cat, h, ctx.layout, ctx.tuning, need_x, need_a, need_b)
+        dx, da, db = lora_backward(dy, x, a_cat, b_cat, h, ctx.layout, ctx.tuning, need_x, need_a, need_b)
         return dx, da, db, (dy if ctx.has_base and need_base else None), None
 
 
@@ -122,7 +140,7 @@ _LAYOUTS: OrderedDict[tuple, SegmentLayout] = OrderedDict()
 _LAYOUTS_KEPT = 256
 
 
-def _layout_of(token_offsets: list[int], rank_offsets: list[int], scalings: list[float]) -> SegmentLayout:
+def layout_of(token_offsets: list[int], rank_offsets: list[int], scalings: list[float]) -> SegmentLayout:
     """The layout of the op's plain arguments, one object per distinct layout (so its kernel plan
     is built once and reused, as in eager mode)."""
     key = (tuple(token_offsets), tuple(rank_offsets), tuple(scalings))
@@ -144,19 +162,24 @@ def _op_forward(
     rank_offsets: list[int],
     scalings: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(``base + delta`` or ``delta``, rank buffer ``h``); see :func:`_forward`."""
-    layout = _layout_of(token_offsets, rank_offsets, scalings)
-    return _forward(x, a_cat, b_cat, base, layout, _tuning.current())
+    """(``base + delta`` or ``delta``, rank buffer ``h``); see :func:`lora_forward`."""
+    layout = layout_of(token_offsets, rank_offsets, scalings)
+    return lora_forward(x, a_cat, b_cat, base, layout, _tuning.current())
+
+
+def h_like(x: torch.Tensor, token_offsets: list[int], rank_offsets: list[int]) -> torch.Tensor:
+    """An empty tensor shaped like the rank buffer ``h`` (the fake kernels' second output)."""
+    h_numel = sum(
+        (t1 - t0) * (r1 - r0)
+        for t0, t1, r0, r1 in zip(token_offsets, token_offsets[1:], rank_offsets, rank_offsets[1:])
+    )
+    return x.new_empty((max(h_numel, 1),))
 
 
 @_op_forward.register_fake
 def _op_forward_fake(x, a_cat, b_cat, base, token_offsets, rank_offsets, scalings):
     dtype = x.dtype if base is None else base.dtype
-    h_numel = sum(
-        (t1 - t0) * (r1 - r0)
-        for t0, t1, r0, r1 in zip(token_offsets, token_offsets[1:], rank_offsets, rank_offsets[1:])
-    )
-    return x.new_empty((x.shape[0], b_cat.shape[0]), dtype=dtype), x.new_empty((max(h_numel, 1),))
+    return x.new_empty((x.shape[0], b_cat.shape[0]), dtype=dtype), h_like(x, token_offsets, rank_offsets)
 
 
 @torch.library.custom_op("plora_hpo::packed_lora_backward", mutates_args=())
@@ -174,8 +197,8 @@ def _op_backward(
     need_b: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """dx, dA, dB; an empty tensor stands for a gradient not asked for."""
-    layout = _layout_of(token_offsets, rank_offsets, scalings)
-    grads = _backward(dy, x, a_cat, b_cat, h, layout, _tuning.current(), need_x, need_a, need_b)
+    layout = layout_of(token_offsets, rank_offsets, scalings)
+    grads = lora_backward(dy, x, a_cat, b_cat, h, layout, _tuning.current(), need_x, need_a, need_b)
     return tuple(x.new_empty(0) if g is None else g for g in grads)  # type: ignore[return-value]
 
 
@@ -226,15 +249,20 @@ def packed_lora_op(
     )[0]
 
 
+def use_op() -> bool:
+    """Take the custom op (under ``torch.compile``, or ``PLORA_KERNELS_OP=1``), not the Function."""
+    return torch.compiler.is_compiling() or os.environ.get("PLORA_KERNELS_OP") == "1"
+
+
 def _apply(
     x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor, base: torch.Tensor | None, layout: SegmentLayout
 ) -> torch.Tensor:
-    if torch.compiler.is_compiling() or os.environ.get("PLORA_KERNELS_OP") == "1":
+    if use_op():
         return packed_lora_op(x, a_cat, b_cat, base, layout)
     return _PackedLoRA.apply(x, a_cat, b_cat, base, layout)
 
 
-def _check(x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor, layout: SegmentLayout) -> None:
+def check_shapes(x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor, layout: SegmentLayout) -> None:
     if x.dim() != 2 or a_cat.dim() != 2 or b_cat.dim() != 2:
         raise ValueError(f"packed LoRA wants 2-D x, a_cat, b_cat; got {x.shape}, {a_cat.shape}, {b_cat.shape}")
     if a_cat.shape != (layout.total_rank, x.shape[1]) or b_cat.shape[1] != layout.total_rank:
@@ -250,7 +278,7 @@ def packed_lora_triton(
     x: torch.Tensor, a_cat: torch.Tensor, b_cat: torch.Tensor, layout: SegmentLayout
 ) -> torch.Tensor:
     """Packed LoRA delta ``(N, d_out)`` in x's dtype; see :func:`packed_lora_reference`."""
-    _check(x, a_cat, b_cat, layout)
+    check_shapes(x, a_cat, b_cat, layout)
     return _apply(x, a_cat, b_cat, None, layout)
 
 
@@ -265,7 +293,7 @@ def packed_lora_add_triton(
 
     Returns a new tensor in ``base_out``'s dtype; ``base_out``'s gradient is the output's.
     """
-    _check(x, a_cat, b_cat, layout)
+    check_shapes(x, a_cat, b_cat, layout)
     if base_out.shape != (x.shape[0], b_cat.shape[0]):
         raise ValueError(f"base_out {tuple(base_out.shape)} != ({x.shape[0]}, {b_cat.shape[0]})")
     return _apply(x, a_cat, b_cat, base_out, layout)

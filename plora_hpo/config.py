@@ -101,6 +101,16 @@ class PackSpec(_Strict):
     gather_seconds: float = Field(
         2.0, ge=0, description="How long study.optimize waits for concurrent trials before a pack starts."
     )
+    micro_batch_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="Split each packed step into forwards of at most this many tokens (same gradients); "
+        "activations then scale with this instead of the whole pack's batch, so more adapters fit. "
+        "null = one forward per step.",
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute each decoder layer in the backward: less activation memory, ~1/3 more compute."
+    )
 
 
 class TrainSpec(_Strict):

@@ -70,7 +70,14 @@ class DeviceWorker:
         self.gpu = sweep.device_spec(device)
         shape_name = shape_name_of(self.base.shape)
         self.cost = CostModel(
-            Workload(self.base.shape, sweep.config.seq_len, tuple(sweep.config.target_modules), self.dtype_bytes()),
+            Workload(
+                self.base.shape,
+                sweep.config.seq_len,
+                tuple(sweep.config.target_modules),
+                self.dtype_bytes(),
+                checkpointing=sweep.config.pack.activation_checkpointing,
+                micro_batch_tokens=sweep.config.pack.micro_batch_tokens,
+            ),
             self.gpu,
             load_calibration(shape_name, self.gpu.name) if shape_name else None,
         )
@@ -159,6 +166,8 @@ class _Pack:
             settings=self.sweep.optimizer_settings(),
             pad_id=worker.base.tokenizer.pad_token_id,
             device=worker.device,
+            micro_batch_tokens=self.config.pack.micro_batch_tokens,
+            activation_checkpointing=self.config.pack.activation_checkpointing,
         )
         self.slots: dict[str, _Slot] = {}
         self.packed_steps = 0

@@ -25,8 +25,8 @@ def open_sweep(tmp_path, name, device=None, **overrides):
     return sweep, study, tracker
 
 
-def train_batch(tmp_path, name):
-    sweep, study, _ = open_sweep(tmp_path, name, budget={"steps": 5}, train={"checkpoint_every": 2})
+def train_batch(tmp_path, name, **overrides):
+    sweep, study, _ = open_sweep(tmp_path, name, budget={"steps": 5}, train={"checkpoint_every": 2}, **overrides)
     try:
         outcomes = optimize_in_packs(study, sweep, "synthetic", n_trials=4, pack_size=4)
     finally:
@@ -52,6 +52,30 @@ def test_out_of_memory_splits_the_pack_and_loses_nothing(tmp_path, monkeypatch):
     assert sweep.workers[0].memory_correction > 1.0  # the corrected estimate keeps them apart
     # every trial finished as if nothing had happened (to rounding: CPU matmuls of a 2-adapter
     # batch may sum in another order than those of the 4-adapter batch)
+    assert split.keys() == reference.keys()
+    for config, (value, losses, failed) in split.items():
+        assert not failed and value == reference[config][0]
+        assert losses == pytest.approx(reference[config][1], rel=1e-5)
+
+
+def test_pack_memory_knobs_reach_engine_and_admission(tmp_path, monkeypatch):
+    """``pack.micro_batch_tokens`` / ``pack.activation_checkpointing`` change how a step is run
+    and what the worker's cost model expects, never what the trials compute."""
+    reference, plain = train_batch(tmp_path, "plain")
+    real_step, seen = PackedTrainer.step, []
+
+    def step(self):
+        reports = real_step(self)
+        seen.append((self.micro_batch_tokens, self.stats.micro_batches / self.stats.steps))
+        return reports
+
+    monkeypatch.setattr(PackedTrainer, "step", step)
+    knobs = {"size": 4, "gather_seconds": 5, "micro_batch_tokens": 96, "activation_checkpointing": True}
+    split, sweep = train_batch(tmp_path, "knobs", pack=knobs)
+
+    assert seen and all(tokens == 96 and per_step > 1 for tokens, per_step in seen)
+    configs = list(split)
+    assert sweep.workers[0].cost.peak_memory(configs) < plain.workers[0].cost.peak_memory(configs)
     assert split.keys() == reference.keys()
     for config, (value, losses, failed) in split.items():
         assert not failed and value == reference[config][0]

@@ -35,7 +35,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.kernels import SegmentLayout, packed_lora_add
+from plora_hpo.kernels import SegmentLayout, adapted_linear
 
 _LAYOUT_CACHE_SIZE = 256
 # The kernels address weights with 32-bit offsets (rank row × row stride): a pack buffer holds at
@@ -180,20 +180,14 @@ class PackedLoraLinear(nn.Module):
         return torch.cat(a_parts), torch.cat(b_parts, dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
         route = self.router.current
         if route is None or not route.adapter_ids:
-            return y
+            return self.base(x)
         a_cat, b_cat = self._weights(route, x.dtype)
         tokens_per_row = x.shape[-2] if x.dim() == 3 else 1
-        out = packed_lora_add(
-            y.reshape(-1, self.out_features),
-            x.reshape(-1, self.in_features),
-            a_cat,
-            b_cat,
-            route.layout(tokens_per_row),
-        )
-        return out.view_as(y)
+        # one node for base and adapters: its backward writes dx = dy·W and the adapters' part
+        # into one buffer, where base + delta as two nodes would leave autograd a full-size add
+        return adapted_linear(x, self.base.weight, self.base.bias, a_cat, b_cat, route.layout(tokens_per_row))
 
 
 def _into(grad_view: torch.Tensor):

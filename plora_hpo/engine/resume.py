@@ -67,7 +67,7 @@ def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, floa
         optimizer_state=[
             {k: v.detach().to("cpu", copy=True) for k, v in trainer.optimizer.state.get(p, {}).items()} for p in params
         ],
-        stream_position=trainer.streams[adapter_id].position(),
+        stream_position=trainer.stream_position(adapter_id),
         curve=list(curve),
     )
 
@@ -101,11 +101,12 @@ def restore(trainer: PackedTrainer, job: AdapterJob, state: AdapterState) -> Non
 
 def stream_positions(trainer: PackedTrainer) -> dict[str, tuple[int, int]]:
     """Where every active adapter's data stream stands (taken before a step, to undo it)."""
-    return {a: trainer.streams[a].position() for a in trainer.active}
+    return {a: trainer.stream_position(a) for a in trainer.active}
 
 
 def abort_step(trainer: PackedTrainer, positions: dict[str, tuple[int, int]]) -> None:
     """Undo a step that raised before its update (out of memory): rewind data, drop gradients."""
+    trainer.discard_prefetched()
     for adapter_id, (epoch, cursor) in positions.items():
         if adapter_id in trainer.streams:
             trainer.streams[adapter_id].seek(epoch, cursor)

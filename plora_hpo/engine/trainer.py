@@ -82,6 +82,15 @@ class StepReport:
 
 
 @dataclass
+class _Prefetched:
+    """The next step's micro-batches, built while the GPU still runs this step's update."""
+
+    ids: tuple[str, ...]  # the adapters (in pack order) they were built for
+    positions: dict[str, tuple[int, int]]  # each one's stream position before the take
+    micro_batches: list[MicroBatch]
+
+
+@dataclass
 class PackStats:
     steps: int = 0
     tokens: int = 0  # real (non-padding) tokens
@@ -134,6 +143,8 @@ class PackedTrainer:
             step, and AdamW / gradient norms / clipping on K flat tensors; see
             :mod:`plora_hpo.engine.packed_lora`). Off: per-layer parameters, per-call casts.
         loss_chunk_tokens: rows per LM-head chunk of the loss.
+        prefetch: build the next step's batches at the end of each step, while the GPU runs the
+            update (given back to their streams if the pack's membership changes first).
     """
 
     def __init__(
@@ -149,6 +160,7 @@ class PackedTrainer:
         fused_elementwise: bool | None = None,
         packed_storage: bool = True,
         loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
+        prefetch: bool = True,
     ) -> None:
         if packing not in PACKINGS:
             raise ValueError(f"unknown packing {packing!r}; use one of {PACKINGS}")
@@ -167,6 +179,8 @@ class PackedTrainer:
         self.steps_done: dict[str, int] = {}
         self.optimizer: torch.optim.AdamW | None = None
         self.stats = PackStats()
+        self.prefetch = prefetch
+        self._prefetched: _Prefetched | None = None
         packed.set_activation_checkpointing(activation_checkpointing)
         if fused_elementwise is None:
             fused_elementwise = self.device.type == "cuda"
@@ -192,6 +206,7 @@ class PackedTrainer:
             raise ValueError(f"{job.adapter_id}: total_steps must be positive, got {job.total_steps}")
         if job.adapter_id in self.jobs:
             raise ValueError(f"{job.adapter_id} is already training in this pack")
+        self.discard_prefetched()
         if job.adapter_id not in self.packed.configs:
             self.packed.add_adapter(job.adapter_id, job.config)
         # packed storage: one flat parameter per adapter (and chunk of layers); else per-layer ones
@@ -222,6 +237,8 @@ class PackedTrainer:
 
     def remove_job(self, adapter_id: str) -> None:
         """Stop training an adapter (finished, pruned or failed); its weights stay in the model."""
+        if self._prefetched is not None and adapter_id in self._prefetched.ids:
+            self.discard_prefetched()
         if adapter_id in self.packed.packed_ids:
             self.packed.unpack()  # repacked without it at the next step
         self._drop_group(adapter_id)
@@ -250,13 +267,48 @@ class PackedTrainer:
     def is_done(self, adapter_id: str) -> bool:
         return self.steps_done[adapter_id] >= self.jobs[adapter_id].total_steps
 
-    # --- one step ---------------------------------------------------------------------
+    # --- data -------------------------------------------------------------------------
     def next_micro_batches(self) -> list[MicroBatch]:
         """Take every active adapter's next batch and split the step into micro-batches."""
-        groups = [(a, self.streams[a].take(self.jobs[a].config.batch_size)) for a in self.active]
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None and prefetched.ids == tuple(self.active):
+            return prefetched.micro_batches
+        if prefetched is not None:
+            self._rewind(prefetched)
+        return self._build_micro_batches(self.active)
+
+    def _build_micro_batches(self, ids: Sequence[str]) -> list[MicroBatch]:
+        groups = [(a, self.streams[a].take(self.jobs[a].config.batch_size)) for a in ids]
         return plan_micro_batches(
             groups, self.pad_id, self.device, packing=self.packing, max_tokens=self.micro_batch_tokens
         )
+
+    def _prefetch(self) -> None:
+        """Build the next step's batches now, for the adapters that go on, so the host does it
+        while the GPU runs the update instead of the GPU waiting for it at the next step."""
+        ids = tuple(a for a in self.active if not self.is_done(a))
+        if self.prefetch and ids:
+            positions = {a: self.streams[a].position() for a in ids}
+            self._prefetched = _Prefetched(ids, positions, self._build_micro_batches(ids))
+
+    def _rewind(self, prefetched: _Prefetched) -> None:
+        for adapter_id, position in prefetched.positions.items():
+            if adapter_id in self.streams:
+                self.streams[adapter_id].seek(*position)
+
+    def discard_prefetched(self) -> None:
+        """Give the prefetched batches back to their streams (the pack's membership changed)."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            self._rewind(prefetched)
+
+    def stream_position(self, adapter_id: str) -> tuple[int, int]:
+        """Where an adapter's data stands for the steps taken so far (prefetched data excluded)."""
+        if self._prefetched is not None and adapter_id in self._prefetched.positions:
+            return self._prefetched.positions[adapter_id]
+        return self.streams[adapter_id].position()
+
+    # --- one step ---------------------------------------------------------------------
 
     def _ensure_packed(self) -> None:
         if not self.packed_storage:
@@ -403,8 +455,10 @@ class PackedTrainer:
                     fail_reason=failures.get(adapter_id),
                 )
             )
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        # No synchronisation here: the host builds the next step's batches while the GPU runs
+        # the update. The losses' read above paces the host to at most one step ahead, so a
+        # step's seconds (start to that read, plus the launches after it) sum to a run's time.
+        self._prefetch()
         self._account(micro_batches, time.perf_counter() - started)
         return reports
 

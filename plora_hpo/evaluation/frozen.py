@@ -12,14 +12,19 @@ those adapters (groups without rows included), so results are bit-identical. Any
 falls through to the layer's own path. :func:`full_route` turns a batch's adapter-grouped rows
 into such a route.
 
-Small batches (a decode step: one token per row) can also take a dense path
-(``dense_max_tokens``): ``h = x · A_catᵀ`` for all adapters at once, each row's scaling on its
-own adapter's rank columns and zero elsewhere, then ``y = base + h · B_catᵀ`` — two GEMMs and one
-multiply instead of the segment kernels' launches and per-call planning. It computes the same
-function (the zeroed columns add exact zeros) with K times the LoRA FLOPs, which is nothing
-next to the base layer at a few hundred tokens but would dominate at prefill sizes; the
-accumulation order differs from the segment kernels, so it is meant for bf16 on the GPU, where
-the result is within rounding of the kernel path.
+Two more ways to apply the prebuilt factors, meant for bf16 on the GPU (they compute the same
+function as the segment kernels with a different accumulation order, so the result is within
+rounding of the kernel path):
+
+* small batches (a decode step: one token per row, ``dense_max_tokens``) take a dense path:
+  ``h = x · A_catᵀ`` for all adapters at once, each row's scaling on its own adapter's rank
+  columns and zero elsewhere, then ``y = base + h · B_catᵀ`` — two GEMMs and one multiply
+  instead of the segment kernels' launches and per-call planning. The zeroed columns add exact
+  zeros; it costs K times the LoRA FLOPs, nothing next to the base layer at a few hundred tokens
+  but dominant at prefill sizes;
+* larger forwards (prefill, scoring: ``segment_gemms``) take cuBLAS GEMMs per adapter segment,
+  batched per run of equal-rank adapters when every adapter owns the same number of tokens
+  (:mod:`~plora_hpo.evaluation.segment_gemms`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 
 from plora_hpo.engine.packed_lora import PackedLoraLinear, PackedLoraModel, Route
 from plora_hpo.evaluation._model import run_lengths
+from plora_hpo.evaluation.segment_gemms import SegmentGemms
 from plora_hpo.kernels import SegmentLayout
 
 _OVERRIDE = "_weights"  # the PackedLoraLinear method that returns (A_cat, B_cat) for a route
@@ -44,19 +50,26 @@ def _result_dtype(layer: PackedLoraLinear, master: torch.dtype, dtype: torch.dty
 
 
 def _concatenated(layer: PackedLoraLinear, ids: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``layer._weights`` returns for a route over ``ids`` when activations have the base's dtype."""
-    a_parts = [layer.lora_A[i].detach() for i in ids]
-    b_parts = [layer.lora_B[i].detach() for i in ids]
-    dtype = _result_dtype(layer, a_parts[0].dtype, layer.base.weight.dtype)
-    if a_parts[0].dtype != dtype:
-        a_parts = [p.to(dtype) for p in a_parts]
-        b_parts = [p.to(dtype) for p in b_parts]
-    return torch.cat(a_parts), torch.cat(b_parts, dim=1)
+    """What ``layer._weights`` returns for a route over ``ids`` when activations have the base's dtype.
+
+    That path casts each adapter's factors and then concatenates; casting the concatenation is
+    the same elementwise cast in two launches instead of 2K (a profile on the GPU: ~0.3 s of
+    host time per evaluation call for 32 adapters on 196 layers).
+    """
+    a_cat = torch.cat([layer.lora_A[i].detach() for i in ids])
+    b_cat = torch.cat([layer.lora_B[i].detach() for i in ids], dim=1)
+    dtype = _result_dtype(layer, a_cat.dtype, layer.base.weight.dtype)
+    return a_cat.to(dtype), b_cat.to(dtype)
 
 
 @contextmanager
 def frozen_adapter_weights(
-    packed: PackedLoraModel, adapter_ids: Sequence[str], *, enabled: bool = True, dense_max_tokens: int = 0
+    packed: PackedLoraModel,
+    adapter_ids: Sequence[str],
+    *,
+    enabled: bool = True,
+    dense_max_tokens: int = 0,
+    segment_gemms: bool = False,
 ) -> Iterator[bool]:
     """Within the block, routes over exactly ``adapter_ids`` (in order) read prebuilt factors.
 
@@ -67,6 +80,7 @@ def frozen_adapter_weights(
             device copies come and go).
         dense_max_tokens: forwards of at most this many tokens take the dense path (module
             doc); 0: never.
+        segment_gemms: larger forwards take cuBLAS GEMMs per adapter segment (module doc).
 
     Yields whether the prebuilt factors are in use (``False`` when disabled or when the layers
     lack the hook). The factors are snapshots: do not change adapter weights inside the block.
@@ -83,8 +97,8 @@ def frozen_adapter_weights(
                 shadowed.append((layer, {name: vars(layer).get(name) for name in (_OVERRIDE, "forward")}))
                 frozen = _FrozenWeights(layer, ids)
                 setattr(layer, _OVERRIDE, frozen)
-                if dense_max_tokens > 0:
-                    layer.forward = _DenseForward(layer, frozen, dense_max_tokens)
+                if dense_max_tokens > 0 or segment_gemms:
+                    layer.forward = _EvalForward(layer, frozen, dense_max_tokens, segment_gemms)
         yield True
     finally:
         for layer, previous in shadowed:
@@ -117,29 +131,41 @@ class _FrozenWeights:
         return self.own(route, dtype)
 
 
-class _DenseForward:
-    """A layer's ``forward`` for the block: small batches through two dense GEMMs (module doc)."""
+class _EvalForward:
+    """A layer's ``forward`` for the block: the dense or the segment-GEMM path where they apply (module doc)."""
 
-    def __init__(self, layer: PackedLoraLinear, frozen: _FrozenWeights, max_tokens: int) -> None:
-        self.layer, self.frozen, self.max_tokens = layer, frozen, max_tokens
+    def __init__(self, layer: PackedLoraLinear, frozen: _FrozenWeights, max_tokens: int, gemms: bool) -> None:
+        self.layer, self.frozen, self.max_tokens, self.gemms = layer, frozen, max_tokens, gemms
         self.own = layer.forward  # the class's forward (it reads the prebuilt factors too)
         self.a_t = frozen.a_cat.t()  # (d_in, Σr)
         self.b_t = frozen.b_cat.t()  # (Σr, d_out)
+        self.segments: SegmentGemms | None = None  # built on first use (it needs the route's scalings)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         route = self.layer.router.current
         tokens = x.numel() // x.shape[-1]
+        dense = tokens <= self.max_tokens
         if (
-            tokens > self.max_tokens
+            not (dense or self.gemms)
             or x.dtype != self.a_t.dtype
             or not self.frozen.serves(route, x.dtype)
             or torch.is_grad_enabled()
         ):
             return self.own(x)
-        y = self.layer.base(x)
         layout = route.layout(x.shape[-2] if x.dim() == 3 else 1)
         if layout.token_offsets[-1] > tokens:
             return self.own(x)  # let the layer's own path report the mismatch
+        if dense:
+            return self._dense(x, layout, tokens)
+        if self.segments is None:
+            self.segments = SegmentGemms(self.frozen.a_cat, self.frozen.b_cat, layout)
+        y = self.layer.base(x)
+        if y.is_contiguous() and self.segments.add_(y.view(tokens, -1), x.reshape(tokens, -1), layout):
+            return y
+        return self.own(x)
+
+    def _dense(self, x: torch.Tensor, layout: SegmentLayout, tokens: int) -> torch.Tensor:
+        y = self.layer.base(x)
         scale = layout.cached(("dense_scale", str(x.device), x.dtype, tokens), lambda: _row_scales(layout, tokens, x))
         h = torch.mm(x.reshape(tokens, -1), self.a_t)
         h = h.mul_(scale) if scale.dtype == h.dtype else (h * scale).to(h.dtype)

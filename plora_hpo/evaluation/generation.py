@@ -17,12 +17,10 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plora_hpo.engine.packed_lora import PackedLoraModel
 from plora_hpo.evaluation._model import (
@@ -33,6 +31,7 @@ from plora_hpo.evaluation._model import (
     run_lengths,
 )
 from plora_hpo.evaluation.attention import folded_decode_attention
+from plora_hpo.evaluation.fast_paths import fast_forwards, segment_gemms_on
 from plora_hpo.evaluation.frozen import frozen_adapter_weights, full_route
 from plora_hpo.evaluation.kv_cache import RowKVCache, assemble
 from plora_hpo.evaluation.residency import AdapterResidency
@@ -47,18 +46,6 @@ DENSE_MAX_TOKENS = 1024
 def _dense_tokens(device: torch.device) -> int:
     """The dense path's token cap: on CUDA only (on the CPU the segment path is kept, bit for bit)."""
     return DENSE_MAX_TOKENS if device.type == "cuda" else 0
-
-
-@contextmanager
-def _attention_backends(device: torch.device) -> Iterator[None]:
-    """On CUDA, SDPA without its cuDNN backend: profiled on an H200, cuDNN spent ~1.8 ms of host
-    time per attention call when the key length is new, as it is at every decode step; the flash
-    and memory-efficient kernels launch directly. Elsewhere: unchanged."""
-    if device.type != "cuda":
-        yield
-        return
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
 
 
 @dataclass(frozen=True)
@@ -175,12 +162,14 @@ def generate_greedy(
         progress=progress,
     )
     paging = residency is not None and residency.paging
-    dense = _dense_tokens(engine.device)
+    dense, gemms = _dense_tokens(engine.device), segment_gemms_on(engine.device)
     with (
         torch.no_grad(),
         folded_decode_attention(packed.model),
-        _attention_backends(engine.device),
-        frozen_adapter_weights(packed, engine.order, enabled=not paging, dense_max_tokens=dense) as frozen,
+        fast_forwards(packed.model),
+        frozen_adapter_weights(
+            packed, engine.order, enabled=not paging, dense_max_tokens=dense, segment_gemms=gemms
+        ) as frozen,
     ):
         engine.frozen = frozen
         engine.run()

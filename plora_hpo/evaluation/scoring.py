@@ -7,6 +7,11 @@ LoRA route. Inputs and read-out follow lm-eval's HF model exactly — the scored
 continuation's score is the sum of its tokens' log-softmax values at the last positions —
 so the numbers equal ``HFLM`` + PEFT run per adapter. Requests whose inputs coincide (the
 answer choices ``" no"``/``" yes"`` of one prompt) share a row, like HFLM's one-token cache.
+
+Every adapter gets the same inputs, so on CUDA the adapters are routed in (rank, scaling) order
+and each forward applies them as batched GEMMs per rank run (:mod:`~plora_hpo.evaluation.segment_gemms`);
+the scores stay on the device until the last forward has been queued (one transfer, no sync
+between forwards).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.nn.functional as F
 
 from plora_hpo.engine.packed_lora import PackedLoraModel
 from plora_hpo.evaluation._model import decoder_of, hidden_states, model_device
+from plora_hpo.evaluation.fast_paths import fast_forwards, segment_gemms_on
 from plora_hpo.evaluation.frozen import frozen_adapter_weights
 from plora_hpo.evaluation.residency import AdapterResidency, adapter_chunks
 
@@ -91,25 +97,50 @@ def score_continuations(
     items = sorted(_inputs(requests, max_length), key=lambda i: (-len(i.tokens), i.tokens))
     stats.unique_inputs += len(items)
     stats.requests += len(requests)
-    results: dict[str, list[tuple[float, bool] | None]] = {a: [None] * len(requests) for a in adapter_ids}
 
     paging = residency is not None and residency.paging
-    chunks = adapter_chunks(residency, adapter_ids) if paging else [list(adapter_ids)]
-    for group in chunks:
-        if residency is not None:
-            residency.ensure(group)
-        with frozen_adapter_weights(packed, group, enabled=not paging) as frozen:
-            for sub in _split(group, batch_size):
-                per_adapter = max(1, batch_size // len(sub))
-                # prebuilt factors serve routes over the whole group (adapters of other turns: no rows)
-                order = group if frozen else sub
-                for start in range(0, len(items), per_adapter):
-                    batch = items[start : start + per_adapter]
-                    _score_batch(decoder, head, packed, order, sub, batch, results, device, pad_id, stats)
-                    if progress is not None:
-                        progress(len(batch) * len(sub))
+    ordered = _routing_order(packed, adapter_ids)
+    chunks = adapter_chunks(residency, ordered) if paging else [ordered]
+    reads: list[_Reads] = []
+    with fast_forwards(model):
+        for group in chunks:
+            if residency is not None:
+                residency.ensure(group)
+            gemms = segment_gemms_on(device)
+            with frozen_adapter_weights(packed, group, enabled=not paging, segment_gemms=gemms) as frozen:
+                for sub in _split(group, batch_size):
+                    per_adapter = max(1, batch_size // len(sub))
+                    # prebuilt factors serve routes over the whole group (adapters of other turns: no rows)
+                    order = group if frozen else sub
+                    for start in range(0, len(items), per_adapter):
+                        batch = items[start : start + per_adapter]
+                        reads.append(_score_batch(decoder, head, packed, order, sub, batch, device, pad_id, stats))
+                        if progress is not None:
+                            progress(len(batch) * len(sub))
+
+    results: dict[str, list[tuple[float, bool] | None]] = {a: [None] * len(requests) for a in adapter_ids}
+    if reads:
+        scores = torch.cat([r.scores for r in reads]).tolist()
+        misses = torch.cat([r.misses for r in reads]).tolist()
+        owners = [owner for r in reads for owner in r.owners]
+        for (adapter_id, request), score, miss in zip(owners, scores, misses):
+            results[adapter_id][request] = (score, miss == 0)
     stats.seconds += time.perf_counter() - started
     return {a: [r for r in rows if r is not None] for a, rows in results.items()}
+
+
+def _routing_order(packed: PackedLoraModel, adapter_ids: Sequence[str]) -> list[str]:
+    """Adapters of equal rank and scaling side by side: few, long runs for the batched GEMMs."""
+    return sorted(adapter_ids, key=lambda a: (packed.configs[a].rank, packed.configs[a].scaling))
+
+
+@dataclass
+class _Reads:
+    """One forward's answers, still on the device: ``owners[i]`` = (adapter, request) of entry i."""
+
+    owners: list[tuple[str, int]]
+    scores: torch.Tensor  # summed log-probabilities, fp32
+    misses: torch.Tensor  # continuation tokens that are not the argmax; 0: greedy
 
 
 def _split(adapters: list[str], most: int) -> list[list[str]]:
@@ -125,38 +156,19 @@ def _score_batch(
     order: list[str],
     adapters: list[str],
     batch: list[_Input],
-    results: dict[str, list[tuple[float, bool] | None]],
     device: torch.device,
     pad_id: int,
     stats: ScoringStats,
-) -> None:
+) -> _Reads:
     width = max(len(item.tokens) for item in batch)
-    # every adapter's rows are the same right-padded inputs: build them once, repeat per adapter
-    inputs = torch.tensor([item.tokens + (pad_id,) * (width - len(item.tokens)) for item in batch], dtype=torch.long)
-    ids = inputs.repeat(len(adapters), 1)
-    rows, positions = [], []  # flat (row, position) pairs whose next-token scores are read
+    # every adapter's rows are the same right-padded inputs: sent once, repeated per adapter
+    inputs = [t for item in batch for t in item.tokens + (pad_id,) * (width - len(item.tokens))]
+    flat = []  # flat (row · width + position) indices whose next-token scores are read
     for a_index in range(len(adapters)):
         for i_index, item in enumerate(batch):
-            row = a_index * len(batch) + i_index
-            first = len(item.tokens) - item.positions
-            rows += [row] * item.positions
-            positions += range(first, len(item.tokens))
-    stats.forwards += 1
-    stats.rows += ids.shape[0]
-    stats.tokens += len(adapters) * sum(len(item.tokens) for item in batch)
-    stats.padded_tokens += ids.numel()
-
-    rows_of = dict.fromkeys(adapters, len(batch))
-    with packed.route([(a, rows_of.get(a, 0)) for a in order]):
-        hidden = hidden_states(decoder, ids.to(device, non_blocking=True))
-    picked = hidden[torch.tensor(rows, device=device), torch.tensor(positions, device=device)]
-    logprob = torch.empty(picked.shape[0], head.out_features, dtype=torch.float32, device=device)
-    for start in range(0, picked.shape[0], _HEAD_CHUNK):
-        logits = head(picked[start : start + _HEAD_CHUNK])
-        logprob[start : start + _HEAD_CHUNK] = F.log_softmax(logits.float(), dim=-1)
-    argmax = logprob.argmax(dim=-1)
-
-    # Every (adapter, request) read: its continuation's positions in the flat list, gathered at once.
+            row = (a_index * len(batch) + i_index) * width
+            flat += range(row + len(item.tokens) - item.positions, row + len(item.tokens))
+    # Every (adapter, request) read: its continuation's positions in ``flat``, gathered at once.
     read_pos, read_tok, read_id, owners = [], [], [], []
     cursor = 0
     for adapter_id in adapters:
@@ -168,10 +180,30 @@ def _score_batch(
                 read_id += [len(owners)] * len(continuation)
                 owners.append((adapter_id, request))
             cursor = end
-    pos = torch.tensor(read_pos, device=device)
-    tok = torch.tensor(read_tok, device=device)
-    idx = torch.tensor(read_id, device=device)
+    inputs, flat, pos, tok, idx = _to_device(device, inputs, flat, read_pos, read_tok, read_id)
+    ids = inputs.view(len(batch), width).repeat(len(adapters), 1)
+    stats.forwards += 1
+    stats.rows += ids.shape[0]
+    stats.tokens += len(adapters) * sum(len(item.tokens) for item in batch)
+    stats.padded_tokens += ids.numel()
+
+    rows_of = dict.fromkeys(adapters, len(batch))
+    with packed.route([(a, rows_of.get(a, 0)) for a in order]):
+        hidden = hidden_states(decoder, ids)
+    picked = hidden.reshape(-1, hidden.shape[-1])[flat]
+    logprob = torch.empty(picked.shape[0], head.out_features, dtype=torch.float32, device=device)
+    for start in range(0, picked.shape[0], _HEAD_CHUNK):
+        logits = head(picked[start : start + _HEAD_CHUNK])
+        logprob[start : start + _HEAD_CHUNK] = F.log_softmax(logits.float(), dim=-1)
+    argmax = logprob.argmax(dim=-1)
     scores = torch.zeros(len(owners), dtype=torch.float32, device=device).index_add_(0, idx, logprob[pos, tok])
     misses = torch.zeros(len(owners), dtype=torch.long, device=device).index_add_(0, idx, (argmax[pos] != tok).long())
-    for (adapter_id, request), score, miss in zip(owners, scores.tolist(), misses.tolist()):
-        results[adapter_id][request] = (score, miss == 0)
+    return _Reads(owners, scores, misses)
+
+
+def _to_device(device: torch.device, *lists: list[int]) -> list[torch.Tensor]:
+    """The int lists as int64 tensors on ``device``: one (pinned, asynchronous) copy for all."""
+    host = torch.tensor([v for values in lists for v in values], dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return list(host.to(device, non_blocking=True).split([len(values) for values in lists]))

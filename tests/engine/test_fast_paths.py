@@ -335,3 +335,39 @@ def test_unpacked_trainer_after_a_packed_one_gets_dense_parameters():
     assert all(p.is_contiguous() for p in packed.parameters_of("a0"))
     assert all(torch.equal(packed.state_dict_of("a0")[k], v) for k, v in before.items())
     second.step()
+
+
+def test_prefetched_batches_follow_membership_changes():
+    """The next step's batches are built during this step; a pack whose membership changes
+    (an adapter finishes, one is pruned, one joins) trains exactly as one without prefetching."""
+    base = tiny_model("qwen2")
+    joiner = AdapterConfig(rank=8, alpha=8.0, learning_rate=3e-3, batch_size=2, seed=24)
+
+    def train(prefetch: bool) -> tuple[list, dict, dict, int]:
+        packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
+        trainer = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu", prefetch=prefetch)
+        for i, config in enumerate(CONFIGS):
+            trainer.add_job(AdapterJob(f"a{i}", config, random_examples(7, seed=30 + i), STEPS[i]))
+        history, prefetched, step = [], 0, 0
+        while trainer.jobs:
+            step += 1
+            if step == 3:
+                trainer.add_job(AdapterJob("joiner", joiner, random_examples(5, seed=39), 3))
+            reports = trainer.step()
+            history.append([(r.adapter_id, r.loss) for r in reports])
+            prefetched += trainer._prefetched is not None
+            for r in reports:
+                if trainer.is_done(r.adapter_id) or (r.adapter_id == "a0" and r.step == 2):  # a0 is pruned
+                    trainer.remove_job(r.adapter_id)
+        positions = {a: trainer.stream_position(a) for a in trainer.active}
+        weights = {a: packed.state_dict_of(a) for a in ("a0", "a1", "a2", "joiner")}
+        return history, positions, weights, prefetched
+
+    history, positions, weights, prefetched = train(prefetch=True)
+    want_history, want_positions, want_weights, _ = train(prefetch=False)
+    assert prefetched >= 3  # the run did train on prefetched batches
+    assert history == want_history
+    assert positions == want_positions
+    for a, tensors in want_weights.items():
+        for key, tensor in tensors.items():
+            assert torch.equal(weights[a][key], tensor), (a, key)

@@ -20,10 +20,11 @@ def test_eval_benchmark_smoke(tmp_path):
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    assert {"speedup_generate_4", "speedup_loglikelihood_4"} <= set(result["summary"])
+    keys = {"speedup_generate_4", "speedup_loglikelihood_4", "speedup_loglikelihood_4_ceiling"}
+    assert keys <= set(result["summary"])
     assert not result["lm_eval_imported"]  # the GPU image has no lm-eval
     modes = {(r["workload"], r["mode"]) for r in result["rows"]}
     assert modes == {
         (w, m) for w in ("generate", "loglikelihood") for m in ("batched", "sequential", "sequential-batch1")
-    }
+    } | {("loglikelihood", "ceiling")}
     assert "written:" in done.stdout.splitlines()[-1]

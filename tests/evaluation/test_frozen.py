@@ -56,6 +56,21 @@ def test_prebuilt_and_dense_paths_match_the_layer_path(tmp_path, length):
     assert "_weights" not in vars(layer) and "forward" not in vars(layer)  # restored on exit
 
 
+def test_prebuilt_factors_cast_once_equal_the_per_call_casts(tmp_path):
+    """fp32 masters under a bf16 model: casting the concatenation is the per-call path bit for bit."""
+    _, packed, _ = tiny_pack("qwen2", tmp_path)
+    packed.model.to(torch.bfloat16)
+    for layer in packed.layers.values():
+        for p in (*layer.lora_A.values(), *layer.lora_B.values()):
+            p.data = p.data.float()
+    ids = _rows(seed=8, rows=4, length=3)
+    groups = [("a", 1), ("b", 2), ("c", 1)]
+    want = _logits(packed, ids, groups)
+    with frozen_adapter_weights(packed, list(RANKS)) as frozen:
+        assert frozen
+        assert torch.equal(_logits(packed, ids, groups), want)
+
+
 def test_dense_path_handles_fractional_scalings_in_bf16(tmp_path):
     """rsLoRA scalings are not exact in bf16: the dense path then scales in fp32 and rounds once."""
     _, packed, _ = tiny_pack("llama", tmp_path)

@@ -15,6 +15,7 @@ import torch
 
 from plora_hpo.kernels import SegmentLayout, packed_lora_add
 from plora_hpo.kernels import _tuning as tuning
+from plora_hpo.kernels._launch import _hint
 from plora_hpo.kernels._plan import build_plan, rank_tile
 from plora_hpo.kernels.triton_lora import packed_lora_add_triton, packed_lora_op, packed_lora_triton
 from tests.kernels._oracle import Case, oracle, random_inputs, rel_err
@@ -38,15 +39,17 @@ CASES = {
     "ragged_empty_mixed": Case([5, 0, 37, 20, 0, 1], [8, 128, 16, 128, 32, 8], d_in=40, d_out=72, lead=3, tail=4),
     "odd_ranks_and_rank0": Case([9, 12, 7], [24, 0, 3], d_in=33, d_out=50, tail=2),
     "k64_tiny_segments": _k64(),
+    "rank_above_128": Case([6, 9, 4, 3], [200, 16, 128, 64], d_in=40, d_out=36, lead=2),
 }
 
-# Interpreter tiles: small so a 40-wide hidden dim has a ragged last block and segments span tiles.
+# Interpreter tiles: small so a 40-wide hidden dim has a ragged last block and segments span tiles;
+# rank tiles ≥ 128 get narrower column blocks than the others, as on the GPU.
 SMALL_TILES = dict(
     block_m=16,
     outer_block_m=16,
-    shrink=tuning.LaunchConfig(16),
-    expand=tuning.LaunchConfig(32),
-    outer=tuning.LaunchConfig(16),
+    shrink=tuning.LaunchConfig(32, block_c_big=16),
+    expand=tuning.LaunchConfig(32, block_c_big=16),
+    outer=tuning.LaunchConfig(32, block_c_big=16),
 )
 MODES = {
     "direct": {},
@@ -250,6 +253,11 @@ def test_plan_groups_and_tiles() -> None:
     assert two_big.merged == two_big.per_rank and [g.flags()["TBIG"] for g in two_big.merged] == [512, 256, 0]
 
 
+def test_alignment_hints() -> None:
+    """The power of two each stride is hinted with: Σr = 1512 (32 mixed ranks) → 8; unit → none."""
+    assert [_hint(s) for s in (1, 1512, 2048, 27, 6, 0)] == [1, 8, 16, 1, 2, 16]
+
+
 # ---- GPU only: production tiles, bf16 activations, larger and non-multiple-of-tile shapes ----
 
 
@@ -273,23 +281,27 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA (bf16 tl.dot is not fait
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16], ids=["fp32_weights", "bf16_weights"])
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_bf16_on_gpu(name: str, w_dtype: torch.dtype, mode: str) -> None:
+    """Twice: the second call takes the compiled launchers directly (no JIT dispatch)."""
     case = GPU_CASES[name]
     gen = torch.Generator().manual_seed(7)
     layout = case.layout(gen)
     x, a, b, base, dy = random_inputs(case, gen, torch.bfloat16, w_dtype, DEVICE)
-    with tuning.override(**MODES[mode], poison=True):
-        out, (dx, da, db, _) = _run(lambda: packed_lora_add_triton(base, x, a, b, layout), x, a, b, dy, extra=(base,))
-        with torch.no_grad():
-            alone = packed_lora_triton(x, a, b, layout)
     delta, *want = oracle(x, a, b, layout, dy)
-    errors = {
-        "delta": rel_err(alone, delta),
-        "out": rel_err(out, base.detach().cpu().double() + delta),
-        "dx": rel_err(dx, want[0]),
-        "dA": rel_err(da, want[1]),
-        "dB": rel_err(db, want[2]),
-    }
-    assert max(errors.values()) <= BF16_TOL, errors
+    for _ in range(2):
+        with tuning.override(**MODES[mode], poison=True):
+            out, (dx, da, db, _) = _run(
+                lambda: packed_lora_add_triton(base, x, a, b, layout), x, a, b, dy, extra=(base,)
+            )
+            with torch.no_grad():
+                alone = packed_lora_triton(x, a, b, layout)
+        errors = {
+            "delta": rel_err(alone, delta),
+            "out": rel_err(out, base.detach().cpu().double() + delta),
+            "dx": rel_err(dx, want[0]),
+            "dA": rel_err(da, want[1]),
+            "dB": rel_err(db, want[2]),
+        }
+        assert max(errors.values()) <= BF16_TOL, errors
     assert (out.dtype, dx.dtype, da.dtype, db.dtype) == (torch.bfloat16, torch.bfloat16, w_dtype, w_dtype)
 
 
