@@ -16,17 +16,21 @@ Elsewhere (the CPU, where results must equal HF + PEFT bit for bit) nothing chan
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from plora_hpo.engine.fused import fuse_elementwise, unfuse_elementwise
 from plora_hpo.evaluation._model import model_device
 
-_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# SDPA's backend switches are process-wide, while device workers evaluate in threads of their own:
+# cuDNN stays off while any of them is inside attention_backends, and comes back after the last.
+_cudnn_lock = threading.Lock()
+_cudnn_users = 0
+_cudnn_before = True
 
 
 def segment_gemms_on(device: torch.device) -> bool:
@@ -37,11 +41,22 @@ def segment_gemms_on(device: torch.device) -> bool:
 @contextmanager
 def attention_backends(device: torch.device) -> Iterator[None]:
     """On CUDA, SDPA may pick flash, memory-efficient or math kernels, not cuDNN (module doc)."""
+    global _cudnn_users, _cudnn_before
     if device.type != "cuda":
         yield
         return
-    with sdpa_kernel(_BACKENDS):
+    with _cudnn_lock:
+        if _cudnn_users == 0:
+            _cudnn_before = torch.backends.cuda.cudnn_sdp_enabled()
+            torch.backends.cuda.enable_cudnn_sdp(False)
+        _cudnn_users += 1
+    try:
         yield
+    finally:
+        with _cudnn_lock:
+            _cudnn_users -= 1
+            if _cudnn_users == 0:
+                torch.backends.cuda.enable_cudnn_sdp(_cudnn_before)
 
 
 @contextmanager
