@@ -51,9 +51,7 @@ from plora_hpo.shapes import TARGET_MODULES, shape_by_name  # noqa: E402
 from plora_hpo.space import SearchSpace  # noqa: E402
 
 GIB = 2**30
-THROUGHPUT_RESULTS = tuple(
-    ROOT / "benchmarks" / "results" / f for f in ("throughput-h200.json", "throughput-h200-extras.json")
-)
+THROUGHPUT_RESULTS = (ROOT / "benchmarks" / "results" / "throughput-h200.json",)
 
 
 def configs_of(space_file: str, samples: int | None) -> tuple[list[AdapterConfig], list[int], int]:

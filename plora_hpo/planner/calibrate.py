@@ -38,7 +38,14 @@ _RIDGE = 1e-4  # pull towards the prior, so few observations move only the facto
 _BOUNDS = (0.05, 20.0)
 # engine knobs the cost model describes; an observation with any other knob set differently (e.g.
 # packed_storage off, eager ops) measured something else and is not fitted by default
-_MODELLED_KNOBS = {"micro_batch_tokens", "activation_checkpointing", "loss_chunk_tokens", "cast_adapters", "packing"}
+_MODELLED_KNOBS = {
+    "micro_batch_tokens",
+    "activation_checkpointing",
+    "loss_chunk_tokens",
+    "cast_adapters",
+    "packing",
+    "prefetch",
+}
 
 
 @dataclass(frozen=True)
@@ -62,11 +69,12 @@ class Observation:
     @property
     def modelled(self) -> bool:
         """Whether the run used engine settings the cost model describes (the defaults, micro-batching,
-        checkpointing, the loss chunk); e.g. a benchmark row with packed storage off is not."""
+        checkpointing, the loss chunk); e.g. a benchmark row with packed storage or prefetch off is not."""
         k = self.knobs
         return (
             set(k) <= _MODELLED_KNOBS
             and k.get("cast_adapters", True) is not False
+            and k.get("prefetch", True) is not False
             and k.get("packing", "padded") == "padded"
         )
 
@@ -118,9 +126,8 @@ def fit_calibration(observations: Sequence[Observation], shape: ModelShape, gpu:
 
     def time_model(theta: np.ndarray, rows: np.ndarray) -> np.ndarray:
         host = theta[0] * rows[:, 0]
-        optimizer = theta[4] * rows[:, 4]
-        device = rows[:, 1:4] @ theta[1:4] + optimizer + rows[:, 5]
-        return np.maximum(host + optimizer, device) if gpu.async_launch else host + device
+        device = rows[:, 1:5] @ theta[1:5] + rows[:, 5]
+        return np.maximum(host, device) if gpu.async_launch else host + device
 
     factors = dict.fromkeys(TIME_FACTORS + MEMORY_FACTORS, 1.0)
     if time_y:

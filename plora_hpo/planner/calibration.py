@@ -22,7 +22,7 @@ class Calibration:
         fixed: × GPU seconds per step that do not grow with tokens.
         base: × base-model seconds (FLOPs and activation traffic).
         lora: × LoRA kernel and adapter-cast seconds.
-        optimizer: × gradient clipping + AdamW + zeroing seconds (after the step's sync).
+        optimizer: × gradient clipping + AdamW + zeroing seconds (GPU).
         memory_fixed: × weights + reserve + logits chunk bytes.
         memory_activations: × saved activation bytes.
         memory_adapters: × adapter parameter, gradient and AdamW bytes.

@@ -164,14 +164,23 @@ class Prior:
       layer's packed factors that the kernels save for the backward (2 more; one layer's worth
       under checkpointing, where the copy is recomputed layer by layer).
 
-    Step time: host launches per micro-batch and per adapter, overlapped with device time
-    (matmul FLOPs ÷ measured peak, activation and LoRA bytes ÷ bandwidth), then the optimizer
-    phase after the step's one device→host read. The efficiencies come from a torch.profiler
-    trace of one qwen2.5-1.5b K 32 step on the H200 (``benchmarks/results/throughput-h200-extras.json``,
-    ``profile``: cuBLAS 0.208 s for 152 TFLOP; LoRA kernels 0.098 s; elementwise/copy ≈ 0.12 s;
-    the optimizer span 0.082 s for 1.75 G adapter parameters) and the host-bound K 1 row
-    (0.35 s per step for 28 layers × 7 adapted projections); calibration corrects them per
-    (model, GPU).
+    Step time: the larger of host launches (per layer, adapted projection and forward, plus per
+    adapter) and device time (matmul FLOPs ÷ measured peak, activation and LoRA bytes ÷
+    bandwidth, a fixed time per layer and forward, the optimizer update). The update is device
+    time only: the engine does not wait for it at the end of a step, so the next step's
+    launches overlap it. The constants come from the H200 run of 2026-11-30
+    (``benchmarks/results/throughput-h200.json``, bf16 matmul 767.5 TFLOP/s). Its ``profile`` of
+    one qwen2.5-1.5b K 32 step: cuBLAS and cuDNN attention 0.217 s for 155.5 TFLOP (efficiency
+    0.93); LoRA kernels 0.081 s, of which their activation bytes take 0.047 s, leaving 8.05 TFLOP
+    at 0.3 of the peak; AdamW, norms, clip and zeroing ≈ 0.024 s for 1.74 G parameters × 44 bytes
+    (0.74 of the bandwidth); SwiGLU, RMSNorm, cross-entropy and the other elementwise kernels
+    ≈ 0.049 s besides the adapter casts (3.7 passes over the saved activations, plus the logits);
+    and the 0.060 s by which the measured step (0.442 s) exceeds the kernels' busy time
+    (0.382 s), the gaps between its 3761 kernels (2.1 ms per layer and forward). The host-bound
+    rows (K 1 0.162 s, K 8 0.191 s, K 32 in three forwards 0.597 s) give 0.158 s per forward of
+    28 layers and 3.9 ms per adapter; of a layer's 5.65 ms, 0.5 ms per adapted projection (its
+    fused base + LoRA node's host time and its seven launches in the profile). Calibration
+    corrects them per (model, GPU).
     """
 
     # memory: saved elements per token and decoder layer
@@ -185,22 +194,21 @@ class Prior:
     adapter_state_bytes: float = 16.0  # fp32 param + grad + AdamW exp_avg + exp_avg_sq
     adapter_compute_copy: bool = True  # low-precision copy of the factors saved per layer
     # time
-    matmul_efficiency: float = 0.95  # of the measured peak, on base-model matmuls
-    traffic_passes: float = 10.0  # HBM bytes moved by non-matmul kernels per saved activation byte
+    matmul_efficiency: float = 0.93  # of the measured peak, on base-model matmuls
+    traffic_passes: float = 3.7  # HBM bytes moved by non-matmul kernels per saved activation byte
     chunk_logit_traffic_bytes: float = 6.0  # per logit: fused CE reads twice, writes the gradient once
-    lora_efficiency: float = 0.2  # of the peak, on the LoRA FLOPs (beyond their activation traffic)
+    lora_efficiency: float = 0.3  # of the peak, on the LoRA FLOPs (beyond their activation traffic)
     lora_input_passes: float = 3.0  # x read by shrink (forward) and dA (backward), dx written
     lora_output_passes: float = 4.0  # base output read, output written, dy read twice (dB, shrink)
     step_param_bytes: float = 44.0  # AdamW 28 (4 reads, 3 writes) + grad-norm clip 12 + zeroing 4
     micro_param_bytes: float = 26.0  # per forward: bf16 cast 6 + bf16 grads 2 + fp32 cast-and-add 18
-    # AdamW and clipping see every adapter's per-layer views (K × 2 × layers × targets small tensors)
-    # and reach this share of the bandwidth; the per-forward casts run on the contiguous packed
-    # buffers at full bandwidth.
-    optimizer_bandwidth_efficiency: float = 0.22
-    gpu_fixed_per_layer_s: float = 1.0e-3  # per-forward GPU time independent of tokens
-    launch_per_layer_s: float = 1.5e-3  # host time to issue one layer's base kernels, per forward
-    launch_per_target_s: float = 1.5e-3  # ... plus each adapted projection's LoRA kernels
-    launch_per_adapter_s: float = 2.0e-3  # ... plus each adapter's loss, clip and optimizer launches
+    # AdamW (one parameter group per adapter), norms, clip and zeroing reach this share of the
+    # bandwidth; the per-forward casts run on the contiguous packed buffers at full bandwidth.
+    optimizer_bandwidth_efficiency: float = 0.74
+    gpu_fixed_per_layer_s: float = 2.1e-3  # per forward: GPU gaps between the layer's kernels
+    launch_per_layer_s: float = 2.15e-3  # host time per layer and forward, besides the projections
+    launch_per_target_s: float = 0.5e-3  # ... plus each adapted projection's base + LoRA node
+    launch_per_adapter_s: float = 3.9e-3  # per step: each adapter's batch, schedule and AdamW group
     forward_share: float = 0.35  # the forward's share of host launches and traffic (recomputed)
 
 
@@ -222,6 +230,7 @@ PEFT_PRIOR = Prior(
     step_param_bytes=28.0,
     micro_param_bytes=0.0,
     optimizer_bandwidth_efficiency=1.0,
+    gpu_fixed_per_layer_s=1.0e-3,
     launch_per_layer_s=0.8e-3,
     launch_per_target_s=0.7e-3,
     launch_per_adapter_s=0.5e-3,
@@ -238,7 +247,7 @@ class StepTerms:
     base: float = 0.0  # frozen base model: forward + input-gradient backward over the tokens
     lora: float = 0.0  # LoRA kernels and the per-forward adapter casts
     comm: float = 0.0  # weight all-gather and LoRA gradient all-reduce (degree > 1)
-    optimizer: float = 0.0  # clip + AdamW + zeroing, after the step's sync (host and GPU both wait)
+    optimizer: float = 0.0  # clip + AdamW + zeroing; overlaps the next step's launches
 
     def __add__(self, other: StepTerms) -> StepTerms:
         return StepTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -397,14 +406,12 @@ class CostModel:
         """Per-step seconds of a pack with no adapters: launches, fixed kernels, weight gathers."""
         w, s, p = self.workload, self.workload.shape, self.prior
         launch = s.layers * (p.launch_per_layer_s + p.launch_per_target_s * len(w.targets))
-        if w.checkpointing:
+        fixed = s.layers * p.gpu_fixed_per_layer_s
+        if w.checkpointing:  # the recomputed forward issues its kernels again
             launch *= 1 + p.forward_share
+            fixed *= 1 + p.forward_share
         comm = 2 * self._weight_bytes() * self._comm_fraction(degree)
-        return StepTerms(
-            launch=micro_batches * launch,
-            fixed=micro_batches * s.layers * p.gpu_fixed_per_layer_s,
-            comm=micro_batches * comm,
-        )
+        return StepTerms(launch=micro_batches * launch, fixed=micro_batches * fixed, comm=micro_batches * comm)
 
     def adapter_terms(self, config: AdapterConfig, degree: int, micro_batches: int = 1) -> StepTerms:
         """Per-step seconds that one adapter adds: its rows through the base, its LoRA work, its
@@ -434,11 +441,9 @@ class CostModel:
         )
 
     def launch_seconds(self, terms: StepTerms) -> float:
-        """Calibrated host seconds of a step (the optimizer phase too, when launches overlap:
-        the host waits for it after the step's sync)."""
+        """Calibrated host seconds of a step."""
         c = self.calibration
-        host = c.launch * terms.launch
-        return host + c.optimizer * terms.optimizer if self.gpu.async_launch else host
+        return c.launch * terms.launch
 
     def device_seconds(self, terms: StepTerms) -> float:
         """Calibrated GPU seconds of a step."""
@@ -447,8 +452,8 @@ class CostModel:
         return scaled + terms.comm
 
     def seconds(self, terms: StepTerms) -> float:
-        """Calibrated seconds of a step: host and GPU overlap when launches are asynchronous
-        (forward/backward in parallel, then the optimizer phase that both wait for)."""
+        """Calibrated seconds of a step: host and GPU overlap when launches are asynchronous (the
+        optimizer update too: the next step's launches run while the GPU applies it)."""
         host, device = self.launch_seconds(terms), self.device_seconds(terms)
         return max(host, device) if self.gpu.async_launch else host + device
 

@@ -1,10 +1,13 @@
 """Measured packs of the packed engine on one H200 (the cost model's held-out check uses them).
 
 Copied verbatim (observation records, the planner's calibration format) from the ``observations``
-lists of ``benchmarks/results/throughput-h200.json`` (``MAIN``; bf16 matmul measured at 738.2
-TFLOP/s in that run) and ``benchmarks/results/throughput-h200-extras.json`` (``EXTRAS``; 766.9
-TFLOP/s), both of 2026-11-29, keyed by the benchmark row they came from. Random-init Qwen2.5
-shapes, LoRA on all seven projections, fixed-length random tokens, bf16 base, fp32 adapters.
+list of ``benchmarks/results/throughput-h200.json`` (2026-11-30; bf16 matmul measured at 767.5
+TFLOP/s in that run), keyed by the benchmark row they came from: the main rows, the ablations and
+the extras (K 1, K 8, checkpointing, micro-batching, seq 1024) of one run. The engine of that run
+fuses each base layer with its adapters into one autograd node, launches the Triton kernels
+directly, prefetches the next step's batches and does not synchronise at the end of a step; the
+7B rows use micro_batch_tokens 8192. Random-init Qwen2.5 shapes, LoRA on all seven projections,
+fixed-length random tokens, bf16 base, fp32 adapters.
 """
 
 from __future__ import annotations
@@ -13,10 +16,9 @@ _TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 _RANKS_32 = [8, 16, 32, 64, 128] * 6 + [8, 16]
 _BATCHES_32 = [1, 2] * 16
 
-MAIN_MATMUL_TFLOPS = 738.2205653610415
-EXTRAS_MATMUL_TFLOPS = 766.8557444685621
+MATMUL_TFLOPS = 767.4981063461476
 
-MAIN: dict[str, dict] = {
+MEASURED: dict[str, dict] = {
     "qwen2.5-1.5b s512 packed K32": {
         "model": "qwen2.5-1.5b",
         "gpu": "NVIDIA H200",
@@ -24,8 +26,8 @@ MAIN: dict[str, dict] = {
         "batch_sizes": _BATCHES_32,
         "seq_len": 512,
         "targets": _TARGETS,
-        "step_seconds": 0.5905996834999954,
-        "peak_bytes": 87204938240.0,
+        "step_seconds": 0.44156341975000046,
+        "peak_bytes": 86927884800.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": False,
@@ -39,13 +41,13 @@ MAIN: dict[str, dict] = {
         "batch_sizes": _BATCHES_32,
         "seq_len": 512,
         "targets": _TARGETS,
-        "step_seconds": 2.1516106409999907,
-        "peak_bytes": 104279273472.0,
+        "step_seconds": 1.5640025616666644,
+        "peak_bytes": 122026528768.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": False,
         "logits_chunk_tokens": 4096,
-        "knobs": {"micro_batch_tokens": 4096, "cast_adapters": True},
+        "knobs": {"micro_batch_tokens": 8192, "cast_adapters": True},
     },
     "qwen2.5-7b s1024 packed K32": {
         "model": "qwen2.5-7b",
@@ -54,13 +56,13 @@ MAIN: dict[str, dict] = {
         "batch_sizes": _BATCHES_32,
         "seq_len": 1024,
         "targets": _TARGETS,
-        "step_seconds": 4.271835850499997,
-        "peak_bytes": 103863577088.0,
+        "step_seconds": 3.1231576750000016,
+        "peak_bytes": 121981668352.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": False,
         "logits_chunk_tokens": 4096,
-        "knobs": {"micro_batch_tokens": 4096, "cast_adapters": True},
+        "knobs": {"micro_batch_tokens": 8192, "cast_adapters": True},
     },
     "qwen2.5-1.5b s512 packed K32 -packed_storage": {
         "model": "qwen2.5-1.5b",
@@ -69,46 +71,58 @@ MAIN: dict[str, dict] = {
         "batch_sizes": _BATCHES_32,
         "seq_len": 512,
         "targets": _TARGETS,
-        "step_seconds": 1.422199797999994,
-        "peak_bytes": 80020505600.0,
+        "step_seconds": 1.050500986000003,
+        "peak_bytes": 80174015488.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": False,
         "logits_chunk_tokens": 4096,
         "knobs": {"packed_storage": False, "cast_adapters": True},
     },
-}
-
-EXTRAS: dict[str, dict] = {
-    "qwen2.5-1.5b s512 packed K1 r16 b4": {
+    "qwen2.5-1.5b s512 packed K32 -fused_elementwise": {
         "model": "qwen2.5-1.5b",
         "gpu": "NVIDIA H200",
-        "ranks": [16],
-        "batch_sizes": [4],
+        "ranks": _RANKS_32,
+        "batch_sizes": _BATCHES_32,
         "seq_len": 512,
         "targets": _TARGETS,
-        "step_seconds": 0.3515999485000094,
-        "peak_bytes": 8379495424.0,
+        "step_seconds": 0.529376919249998,
+        "peak_bytes": 103360074752.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": False,
         "logits_chunk_tokens": 4096,
-        "knobs": {"cast_adapters": True},
+        "knobs": {"fused_elementwise": False, "cast_adapters": True},
     },
-    "qwen2.5-1.5b s512 packed K8": {
+    "qwen2.5-1.5b s512 packed K32 -fused_ce": {
         "model": "qwen2.5-1.5b",
         "gpu": "NVIDIA H200",
-        "ranks": [8, 16, 32, 64, 128, 8, 16, 32],
-        "batch_sizes": [1, 2, 1, 2, 1, 2, 1, 2],
+        "ranks": _RANKS_32,
+        "batch_sizes": _BATCHES_32,
         "seq_len": 512,
         "targets": _TARGETS,
-        "step_seconds": 0.3802914799999968,
-        "peak_bytes": 23768918016.0,
+        "step_seconds": 0.4897650422499993,
+        "peak_bytes": 91880637440.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": False,
         "logits_chunk_tokens": 4096,
-        "knobs": {"cast_adapters": True},
+        "knobs": {"cast_adapters": True, "PLORA_FUSED_CE": "0"},
+    },
+    "qwen2.5-1.5b s512 packed K32 -prefetch": {
+        "model": "qwen2.5-1.5b",
+        "gpu": "NVIDIA H200",
+        "ranks": _RANKS_32,
+        "batch_sizes": _BATCHES_32,
+        "seq_len": 512,
+        "targets": _TARGETS,
+        "step_seconds": 0.44339126824999653,
+        "peak_bytes": 86895690752.0,
+        "degree": 1,
+        "dtype_bytes": 2,
+        "checkpointing": False,
+        "logits_chunk_tokens": 4096,
+        "knobs": {"prefetch": False, "cast_adapters": True},
     },
     "qwen2.5-1.5b s512 packed K32 +checkpointing": {
         "model": "qwen2.5-1.5b",
@@ -117,13 +131,43 @@ EXTRAS: dict[str, dict] = {
         "batch_sizes": _BATCHES_32,
         "seq_len": 512,
         "targets": _TARGETS,
-        "step_seconds": 0.81351710349999,
-        "peak_bytes": 36133441024.0,
+        "step_seconds": 0.6025710772499977,
+        "peak_bytes": 39483190784.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": True,
         "logits_chunk_tokens": 4096,
         "knobs": {"activation_checkpointing": True, "cast_adapters": True},
+    },
+    "qwen2.5-1.5b s512 packed K8": {
+        "model": "qwen2.5-1.5b",
+        "gpu": "NVIDIA H200",
+        "ranks": [8, 16, 32, 64, 128, 8, 16, 32],
+        "batch_sizes": [1, 2, 1, 2, 1, 2, 1, 2],
+        "seq_len": 512,
+        "targets": _TARGETS,
+        "step_seconds": 0.1913330584999997,
+        "peak_bytes": 23500251648.0,
+        "degree": 1,
+        "dtype_bytes": 2,
+        "checkpointing": False,
+        "logits_chunk_tokens": 4096,
+        "knobs": {"cast_adapters": True},
+    },
+    "qwen2.5-1.5b s512 packed K1 r16 b4": {
+        "model": "qwen2.5-1.5b",
+        "gpu": "NVIDIA H200",
+        "ranks": [16],
+        "batch_sizes": [4],
+        "seq_len": 512,
+        "targets": _TARGETS,
+        "step_seconds": 0.16201763400000146,
+        "peak_bytes": 8307380224.0,
+        "degree": 1,
+        "dtype_bytes": 2,
+        "checkpointing": False,
+        "logits_chunk_tokens": 4096,
+        "knobs": {"cast_adapters": True},
     },
     "qwen2.5-1.5b s512 packed K32 micro 8192": {
         "model": "qwen2.5-1.5b",
@@ -132,8 +176,8 @@ EXTRAS: dict[str, dict] = {
         "batch_sizes": _BATCHES_32,
         "seq_len": 512,
         "targets": _TARGETS,
-        "step_seconds": 1.3028898335000036,
-        "peak_bytes": 52854439936.0,
+        "step_seconds": 0.5968309080000012,
+        "peak_bytes": 52823687168.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": False,
@@ -147,12 +191,27 @@ EXTRAS: dict[str, dict] = {
         "batch_sizes": _BATCHES_32,
         "seq_len": 1024,
         "targets": _TARGETS,
-        "step_seconds": 1.3269301269999971,
-        "peak_bytes": 70045336064.0,
+        "step_seconds": 0.9150747387500004,
+        "peak_bytes": 69883191808.0,
         "degree": 1,
         "dtype_bytes": 2,
         "checkpointing": False,
         "logits_chunk_tokens": 4096,
         "knobs": {"micro_batch_tokens": 16384, "cast_adapters": True},
+    },
+    "qwen2.5-1.5b s512 packed K32 -bf16_cast": {
+        "model": "qwen2.5-1.5b",
+        "gpu": "NVIDIA H200",
+        "ranks": _RANKS_32,
+        "batch_sizes": _BATCHES_32,
+        "seq_len": 512,
+        "targets": _TARGETS,
+        "step_seconds": 0.45849301424999567,
+        "peak_bytes": 83398579200.0,
+        "degree": 1,
+        "dtype_bytes": 2,
+        "checkpointing": False,
+        "logits_chunk_tokens": 4096,
+        "knobs": {"cast_adapters": False},
     },
 }

@@ -42,4 +42,5 @@ def test_greedy_packs_what_fits_and_beats_min_gpu_on_one_gpu():
 def test_lower_bound_is_below_every_baseline():
     for gpus in (1, 2, 4):
         b = compute_baselines(planner(gpus))
-        assert 0 < b.lower_bound <= min(b.min_gpu, b.max_gpu, b.greedy)
+        # on one GPU the bound is tight (host-bound: one pack of all four), equal up to rounding
+        assert 0 < b.lower_bound <= min(b.min_gpu, b.max_gpu, b.greedy) * (1 + 1e-12)
