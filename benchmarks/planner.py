@@ -51,7 +51,7 @@ from plora_hpo.shapes import TARGET_MODULES, shape_by_name  # noqa: E402
 from plora_hpo.space import SearchSpace  # noqa: E402
 
 GIB = 2**30
-THROUGHPUT_RESULTS = (ROOT / "benchmarks" / "results" / "throughput-h200.json",)
+THROUGHPUT_RESULT = ROOT / "benchmarks" / "results" / "throughput-h200.json"
 
 
 def configs_of(space_file: str, samples: int | None) -> tuple[list[AdapterConfig], list[int], int]:
@@ -155,19 +155,15 @@ def reference_observations() -> list[tuple[str, Observation]]:
 
 def engine_observations() -> list[tuple[str, Observation, str, float]]:
     """(model, observation, benchmark row, the run's measured bf16 matmul TFLOP/s) of every packed row
-    whose engine settings the cost model describes, from each throughput result file."""
+    of the throughput result whose engine settings the cost model describes."""
+    if not THROUGHPUT_RESULT.is_file():
+        return []
+    data = json.loads(THROUGHPUT_RESULT.read_text())
     found = []
-    for path in THROUGHPUT_RESULTS:
-        if not path.is_file():
-            continue
-        data = json.loads(path.read_text())
-        rows = [r for r in data["rows"] if r["kind"] == "packed" and not r.get("error") and not r.get("min_len")]
-        names = [r["name"] for r in rows] if len(rows) == len(data.get("observations", [])) else None
-        for i, row in enumerate(data.get("observations", [])):
-            obs = Observation.from_dict(row)
-            if obs.modelled:
-                name = row.get("name") or (names[i] if names else f"{path.name}[{i}]")
-                found.append((row["model"].removeprefix("random:"), obs, name, data["matmul_tflops"]))
+    for row in data.get("observations", []):
+        obs = Observation.from_dict(row)
+        if obs.modelled:
+            found.append((row["model"].removeprefix("random:"), obs, row["name"], data["matmul_tflops"]))
     return found
 
 
