@@ -1,7 +1,7 @@
 """Launch a Triton kernel straight through its compiled launcher once it has been compiled.
 
 ``kernel[grid](*args, **constexprs)`` binds and specialises every argument, builds a cache key
-and looks the kernel up on every call: tens of µs of host time for our ~30 parameters, and a
+and looks the kernel up on every call: host time that grows with our ~30 parameters, and a
 packed step makes five such launches per adapted projection, where small packs are host-bound.
 A :class:`Launch` knows all its arguments but the data tensors in advance (grid, plan tensors,
 ints, constexprs), so after its first call it only checks the one thing Triton specialises on

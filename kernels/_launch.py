@@ -227,14 +227,14 @@ def weight_grad(
     out_strides = (like.shape[1], 1)  # the gradient is allocated contiguous
     stride_oc, stride_or = out_strides[1 - rank_dim], out_strides[rank_dim]
     ints = (n_cols, *m.stride(), stride_oc, stride_or, *a.stride(), *d.stride())
-    hints = {
-        "O_ALIGN_C": _hint(stride_oc),
-        "O_ALIGN_R": _hint(stride_or),
-        "A_ALIGN_R": _hint(a.stride(0)),
-        "A_ALIGN_C": _hint(a.stride(1)),
-    }
 
     def build(groups: tuple[LaunchGroup, ...]) -> _Spec:
+        hints = {
+            "O_ALIGN_C": _hint(stride_oc),
+            "O_ALIGN_R": _hint(stride_or),
+            "A_ALIGN_R": _hint(a.stride(0)),
+            "A_ALIGN_C": _hint(a.stride(1)),
+        }
         cfg = tuning.outer
         block_m = tuning.outer_block_m
         target = tuning.waves * multiprocessors(m.device)

@@ -24,7 +24,7 @@ dtype too, except while a split reduction adds into them atomically (fp32, cast 
 the rank dimension, whose start is only known at run time; the ``*_ALIGN_*`` constexprs do the
 same for the weights' strides (the power of two each divides), which Triton itself only
 specialises when they are multiples of 16: without them the B tiles of mixed ranks (Σr = 1512 for the benchmark's
-32) load one bf16 at a time, synchronously, at half the speed of uniform ranks.
+32) load one bf16 at a time, synchronously (``ld.global.b16`` in the PTX).
 
 Each body picks its own column block ``BC``: ``BLOCK_C`` up to rank tile 64, ``BLOCK_C_BIG`` at
 128, scaled down past it (the host keeps it ≥ 16). A launch takes the registers and shared

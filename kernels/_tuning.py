@@ -3,13 +3,13 @@
 Kept apart from the kernels so the benchmark can sweep them and the tests can force the
 split (atomic) paths on a CPU interpreter that would never choose them by itself.
 
-Defaults come from H200 sweeps (``benchmarks/kernels.py --sweep``, kernel phases of 7b.up at
-K=32): 128-row tiles for shrink/expand (halve the weight re-reads per byte of activations),
-8 warps; outer products 64 rows × 128 columns, 8 warps; expand writes 64-column blocks (at 128
-its accumulator alone takes 64 registers a thread: one program per multiprocessor, and 20-30%
-slower). Rank tiles of 128 and more take narrower column blocks (``block_c_big``) so that every
-body of a mixed-rank launch stays within 128 registers and ~110 KB of shared memory, two
-programs per multiprocessor as for rank 64 (``ptxas -v`` on sm_90); 64 beat 32 and 128 there.
+Defaults were picked from H200 sweeps (``benchmarks/kernels.py --sweep``, kernel phases of 7b.up
+at K=32; that output is not kept in ``benchmarks/results/``): 128-row tiles for shrink/expand
+(halve the weight re-reads per byte of activations), 8 warps; outer products 64 rows × 128
+columns, 8 warps; expand writes 64-column blocks (at 128 its accumulator alone takes 64
+registers a thread: one program per multiprocessor, which was slower). Rank tiles of 128 and
+more take narrower column blocks (``block_c_big``) so that every body of a mixed-rank launch
+keeps two programs per multiprocessor, as for rank 64 (``ptxas -v`` on sm_90).
 """
 
 from __future__ import annotations

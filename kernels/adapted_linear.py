@@ -142,8 +142,6 @@ def adapted_linear_triton(
             f"weight {tuple(weight.shape)} / bias {bias_shape} do not fit x {tuple(x.shape)} and b_cat "
             f"{tuple(b_cat.shape)}: want ({b_cat.shape[0]}, {x.shape[1]}) / ({b_cat.shape[0]},)"
         )
-    if weight.requires_grad or (bias is not None and bias.requires_grad):
-        raise ValueError("adapted_linear keeps the base layer frozen: weight and bias must not require grad")
     if use_op():
         offsets = (list(layout.token_offsets), list(layout.rank_offsets), list(layout.scalings))
         return torch.ops.plora_hpo.adapted_linear(x, weight, bias, a_cat, b_cat, *offsets)[0]

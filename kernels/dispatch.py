@@ -81,6 +81,8 @@ def adapted_linear(
     Returns ``(..., d_out)`` in x's dtype. Gradients flow to x, ``a_cat`` and ``b_cat`` only; on
     the Triton path dx is ``dy·W`` with the adapters' part added in place (no extra add).
     """
+    if weight.requires_grad or (bias is not None and bias.requires_grad):
+        raise ValueError("adapted_linear keeps the base layer frozen: weight and bias must not require grad")
     x2 = x.reshape(-1, x.shape[-1])
     if _triton_wanted(x):
         try:

@@ -90,14 +90,16 @@ def test_dispatch_reference_and_triton_agree_on_3d_input(monkeypatch: pytest.Mon
         assert rel_err(got, ref.detach().cpu().double()) <= FP32_TOL
 
 
-def test_rejects_trainable_or_misshaped_base() -> None:
+def test_rejects_trainable_or_misshaped_base(monkeypatch: pytest.MonkeyPatch) -> None:
     case = Case([4], [8], d_in=16, d_out=12)
     gen = torch.Generator().manual_seed(6)
     layout = case.layout(gen)
     x, a, b, _, _ = random_inputs(case, gen, torch.float32, torch.float32, DEVICE)
     weight, bias = _frozen(case, gen, torch.float32, True)
-    with pytest.raises(ValueError, match="frozen"):
-        adapted_linear_triton(x, weight.clone().requires_grad_(), bias, a, b, layout)
+    for kernels in ("reference", "triton"):  # the rule holds on both paths
+        monkeypatch.setenv("PLORA_KERNELS", kernels)
+        with pytest.raises(ValueError, match="frozen"):
+            adapted_linear(x, weight.clone().requires_grad_(), bias, a, b, layout)
     with pytest.raises(ValueError, match="do not fit"):
         adapted_linear_triton(x, weight[:, :8], bias, a, b, layout)
 
