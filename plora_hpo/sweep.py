@@ -290,15 +290,19 @@ class PackedSweep:
         shape_name = shape_name_of(worker.base.shape)
         if shape_name is None:  # a model of unlisted shape: nothing to calibrate against
             return
+        workload = worker.cost.workload  # the engine settings the pack ran with
         record_observation(
             shape_name,
             worker.gpu,
             configs,
-            self.config.seq_len,
-            tuple(self.config.target_modules),
+            workload.seq_len,
+            workload.targets,
             step_seconds=step_seconds,
             peak_bytes=peak_bytes,
-            dtype_bytes=worker.dtype_bytes(),
+            dtype_bytes=workload.dtype_bytes,
+            checkpointing=workload.checkpointing,
+            logits_chunk_tokens=workload.logits_chunk_tokens,
+            micro_batch_tokens=workload.micro_batch_tokens,
         )
 
     def completed_outcome(

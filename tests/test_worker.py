@@ -8,7 +8,8 @@ import torch
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
-from plora_hpo import PackedObjective, PackedSweep, SweepTracker, create_study, load_sweep, optimize_in_packs
+from plora_hpo import PackedObjective, PackedSweep, SweepTracker, create_study, load_sweep, optimize_in_packs, planner
+from plora_hpo import worker as worker_module
 from plora_hpo.engine import PackedTrainer
 
 from .test_sweep_e2e import small_sweep
@@ -69,11 +70,16 @@ def test_pack_memory_knobs_reach_engine_and_admission(tmp_path, monkeypatch):
         seen.append((self.micro_batch_tokens, self.stats.micro_batches / self.stats.steps))
         return reports
 
+    recorded = []
     monkeypatch.setattr(PackedTrainer, "step", step)
+    monkeypatch.setattr(worker_module, "CALIBRATION_STEPS", 2)  # the 5-step pack becomes an observation
+    monkeypatch.setattr(planner, "record_observation", lambda *args, **kwargs: recorded.append(kwargs))
     knobs = {"size": 4, "gather_seconds": 5, "micro_batch_tokens": 96, "activation_checkpointing": True}
     split, sweep = train_batch(tmp_path, "knobs", pack=knobs)
 
     assert seen and all(tokens == 96 and per_step > 1 for tokens, per_step in seen)
+    # the calibration learns from the pack as it ran, not as a plain pack
+    assert recorded and all(r["micro_batch_tokens"] == 96 and r["checkpointing"] for r in recorded)
     configs = list(split)
     assert sweep.workers[0].cost.peak_memory(configs) < plain.workers[0].cost.peak_memory(configs)
     assert split.keys() == reference.keys()

@@ -88,12 +88,13 @@ def restore(trainer: PackedTrainer, job: AdapterJob, state: AdapterState) -> Non
             f"{job.adapter_id}: saved optimizer state has {len(state.optimizer_state)} tensors, not {len(params)}"
         )
     assert trainer.optimizer is not None
+    on_device_step = bool(trainer.optimizer.defaults.get("fused") or trainer.optimizer.defaults.get("capturable"))
     for p, saved in zip(params, state.optimizer_state):
         if saved:
-            # AdamW keeps "step" on the host unless it is fused/capturable; match what it made for p.
+            # copies (AdamW updates its state in place: the saved state must stay as saved); "step"
+            # lives on the host unless AdamW is fused or capturable, as AdamW would have made it
             trainer.optimizer.state[p] = {
-                k: v.to(p.device) if k != "step" or trainer.device.type == "cuda" else v.clone()
-                for k, v in saved.items()
+                k: v.to(p.device if k != "step" or on_device_step else "cpu", copy=True) for k, v in saved.items()
             }
     trainer.steps_done[job.adapter_id] = state.steps_done
     trainer.streams[job.adapter_id].seek(*state.stream_position)

@@ -67,6 +67,23 @@ def test_checkpoint_round_trip_continues_exactly(tmp_path):
             assert torch.equal(weights(second, a)[key], value), key
 
 
+def test_a_restored_adapter_leaves_the_state_it_came_from_as_saved():
+    """A host-memory state (an out-of-memory split parks adapters this way) can be restored again:
+    training after a restore must not update the saved moments in place."""
+    base = tiny_model("qwen2")
+    first = new_trainer(base)
+    first.add_job(job("a"))
+    first.step()
+    state = capture(first, "a", curve=[])
+    saved = [{k: v.clone() for k, v in moments.items()} for moments in state.optimizer_state]
+    second = new_trainer(base)
+    restore(second, job("a"), state)
+    second.step()
+    for moments, want in zip(state.optimizer_state, saved):
+        for key, value in want.items():
+            assert torch.equal(moments[key], value), key
+
+
 def test_restore_refuses_a_different_config(tmp_path):
     trainer = new_trainer(tiny_model("llama"))
     trainer.add_job(job("a"))
