@@ -153,22 +153,23 @@ def reference_observations() -> list[tuple[str, Observation]]:
     ]
 
 
-def engine_observations() -> list[tuple[str, Observation, str, float]]:
-    """(model, observation, benchmark row, the run's measured bf16 matmul TFLOP/s) of every packed row
-    of the throughput result whose engine settings the cost model describes."""
+def engine_observations() -> tuple[list[tuple[str, Observation, str]], float | None]:
+    """(model, observation, benchmark row) of every packed row of the throughput result whose
+    engine settings the cost model describes, and the bf16 matmul TFLOP/s measured in that run."""
     if not THROUGHPUT_RESULT.is_file():
-        return []
+        return [], None
     data = json.loads(THROUGHPUT_RESULT.read_text())
     found = []
     for row in data.get("observations", []):
         obs = Observation.from_dict(row)
         if obs.modelled:
-            found.append((row["model"].removeprefix("random:"), obs, row["name"], data["matmul_tflops"]))
-    return found
+            found.append((row["model"].removeprefix("random:"), obs, row["name"]))
+    return found, data["matmul_tflops"]
 
 
-def accuracy_rows(source: str, observations: list[tuple[str, Observation]], tflops: float = 789.0) -> list[dict]:
-    gpu = GpuSpec("H200", 139.8, matmul_tflops=tflops)
+def accuracy_rows(source: str, observations: list[tuple[str, Observation]], tflops: float | None = None) -> list[dict]:
+    """Prior and leave-one-out calibrated errors per run; ``tflops``: the rate measured with them."""
+    gpu = GpuSpec("H200", 139.8, matmul_tflops=tflops) if tflops else GpuSpec("H200", 139.8)
     rows = []
     for i, (model, obs) in enumerate(observations):
         shape = shape_by_name(model)
@@ -187,22 +188,21 @@ def accuracy_rows(source: str, observations: list[tuple[str, Observation]], tflo
     return rows
 
 
-def held_out_rows(found: list[tuple[str, Observation, str, float]]) -> list[dict]:
+def held_out_rows(found: list[tuple[str, Observation, str]], tflops: float) -> list[dict]:
     """Calibration fitted on the first/small packs, predicting later, larger ones (issue 3's check):
     qwen2.5-1.5b: fit on the packs of fewer than 32 adapters, predict the K 32 packs; qwen2.5-7b
     (K 32 packs only): fit on the first (seq 512), predict the rest."""
     rows = []
     for model in sorted({m for m, *_ in found}):
-        mine = [(o, n, t) for m, o, n, t in found if m == model]
+        mine = [(o, n) for m, o, n in found if m == model]
         small = [x for x in mine if len(x[0].ranks) < 32]
         fit, predict = (small, [x for x in mine if len(x[0].ranks) >= 32]) if small else (mine[:1], mine[1:])
         if not fit or not predict:
             continue
-        tflops = sum(t for *_, t in mine) / len(mine)
         result = held_out_errors([o for o, *_ in fit], [o for o, *_ in predict], shape_by_name(model),
                                  GpuSpec("H200", 139.8, matmul_tflops=tflops))  # fmt: skip
-        for (_, name, _), row in zip(predict, result["rows"]):
-            rows.append({"kind": "held_out", "model": model, "row": name, "fit_on": [n for _, n, _ in fit],
+        for (_, name), row in zip(predict, result["rows"]):
+            rows.append({"kind": "held_out", "model": model, "row": name, "fit_on": [n for _, n in fit],
                          **{k: v for k, v in row.items() if k.endswith("error")}})  # fmt: skip
     return rows
 
@@ -290,9 +290,10 @@ def main() -> None:
         ]
     rows.append(cli_row())
     rows += accuracy_rows("design-6-peft", reference_observations())
-    engine_runs = engine_observations()
-    rows += accuracy_rows("throughput-h200", [(m, o) for m, o, *_ in engine_runs], 750.0)
-    rows += held_out_rows(engine_runs)
+    engine_runs, engine_tflops = engine_observations()
+    if engine_runs:
+        rows += accuracy_rows("throughput-h200", [(m, o) for m, o, _ in engine_runs], engine_tflops)
+        rows += held_out_rows(engine_runs, engine_tflops)
     result = {
         "benchmark": "planner",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from plora_hpo.engine.resume import AdapterState
-from plora_hpo.errors import CheckpointError
+from plora_hpo.errors import CheckpointError, first_line
 
 FORMAT_VERSION = 1
 
@@ -61,7 +61,6 @@ def read_checkpoint(path: Path) -> tuple[AdapterState, dict[str, str]]:
             raise ValueError(f"format version {data.get('version')!r}, expected {FORMAT_VERSION}")
         return AdapterState.from_dict(data["state"]), dict(data["extra"])
     except Exception as err:  # truncated zip, unpickling errors, missing keys, bad values
-        first = (str(err).splitlines() or [type(err).__name__])[0][:160]
         raise CheckpointError(
-            f"checkpoint {path} is unreadable ({first}); delete it to retrain that trial from step 0"
+            f"checkpoint {path} is unreadable ({first_line(err, 160)}); delete it to retrain that trial from step 0"
         ) from None

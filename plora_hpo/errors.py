@@ -1,6 +1,13 @@
 """User-facing errors: the CLI prints them as one line and exits non-zero."""
 
 
+def first_line(err: BaseException, limit: int = 200) -> str:
+    """The first line of a library's error (at most ``limit`` characters), or its type when it
+    has no text: what a one-line error message quotes of the cause."""
+    text = str(err).strip()
+    return text.splitlines()[0][:limit] if text else type(err).__name__
+
+
 class PloraError(Exception):
     """A problem the user can fix; the message names the problem and the fix."""
 

@@ -32,7 +32,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from plora_hpo.errors import ModelError
+from plora_hpo.errors import ModelError, first_line
 from plora_hpo.shapes import MODEL_SHAPES, ModelShape, shape_by_name
 from plora_hpo.tasks._cache import build_atomically, cache_root
 
@@ -259,23 +259,18 @@ def _resolve_config(spec: str) -> tuple[str, PretrainedConfig, Source]:
     except (OSError, ValueError) as err:
         hint = f"; did you mean 'random:{spec.lower()}'?" if spec.lower() in MODEL_SHAPES else ""
         if source == "local":
-            reason = f"the directory has no readable config.json ({_first_line(err)})"
+            reason = f"the directory has no readable config.json ({first_line(err)})"
         elif _hub_offline():
             reason = "not a local directory and the Hugging Face Hub is unreachable (offline)"
         elif "connect" in str(err).lower():
             reason = "not a local directory and the Hugging Face Hub is unreachable (no connection)"
         else:
-            reason = f"not a local directory and not loadable from the Hugging Face Hub ({_first_line(err)})"
+            reason = f"not a local directory and not loadable from the Hugging Face Hub ({first_line(err)})"
         raise ModelError(
             f"cannot load model {spec!r}: {reason}; pass a local path or use the embedded default "
             f"{EMBEDDED_NAME!r}{hint}"
         ) from None
     return ref, config, source
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
@@ -293,7 +288,7 @@ def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device) -> Loa
         tokenizer = AutoTokenizer.from_pretrained(ref)
     except (OSError, ValueError) as err:
         raise ModelError(
-            f"cannot load model {spec!r}: {_first_line(err)}; check that the folder or hub repository "
+            f"cannot load model {spec!r}: {first_line(err)}; check that the folder or hub repository "
             "holds the weights and the tokenizer (save_pretrained of both)"
         ) from None
     return LoadedModel(model, tokenizer, ref, shape_from_config(model.config), source)

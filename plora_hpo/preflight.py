@@ -102,7 +102,7 @@ def _check_mlflow_uri(uri: str, run_dir: Path) -> None:
 
 
 def _check_storage(url: str, run_dir: Path) -> None:
-    from plora_hpo.errors import PloraError
+    from plora_hpo.errors import PloraError, first_line
 
     if url.startswith("sqlite:"):
         _check_sqlite(url, run_dir, "cannot open the Optuna storage", _STORAGE_FIX)
@@ -117,7 +117,6 @@ def _check_storage(url: str, run_dir: Path) -> None:
         finally:
             engine.dispose()
     except Exception as err:  # ArgumentError, NoSuchModuleError, OperationalError, missing drivers...
-        first = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
         raise PloraError(
-            f"cannot open the Optuna storage {url!r} ({type(err).__name__}: {first}); {_STORAGE_FIX}"
+            f"cannot open the Optuna storage {url!r} ({type(err).__name__}: {first_line(err)}); {_STORAGE_FIX}"
         ) from None

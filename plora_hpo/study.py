@@ -19,7 +19,7 @@ from typing import Any
 import optuna
 
 from plora_hpo.config import SweepConfig
-from plora_hpo.errors import ConfigError, PloraError
+from plora_hpo.errors import ConfigError, PloraError, first_line
 from plora_hpo.space import SearchSpace
 from plora_hpo.sweep import PackedSweep
 from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest
@@ -79,9 +79,9 @@ def create_study(config: SweepConfig, task: str, storage: str, *, recover_stale:
             load_if_exists=True,
         )
     except Exception as err:  # SQLAlchemy/Optuna raise many kinds for a bad URL
-        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
         raise PloraError(
-            f"cannot open the Optuna storage {storage!r} ({first}); pass --storage with a reachable database URL"
+            f"cannot open the Optuna storage {storage!r} ({first_line(err)}); "
+            "pass --storage with a reachable database URL"
         ) from None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)

@@ -65,7 +65,7 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 
-from plora_hpo.errors import PloraError
+from plora_hpo.errors import PloraError, first_line
 
 DEFAULT_RUN_DIR = Path("plora_runs")
 PLACEHOLDER_PREFIX = "pending-"
@@ -162,9 +162,8 @@ class SweepTracker:
                     pass
             self.client.search_experiments(max_results=1)
         except Exception as err:  # MLflow raises many types for a dead store
-            first = (str(err).splitlines() or [type(err).__name__])[0][:200]
             raise PloraError(
-                f"cannot reach the MLflow tracking store {self.tracking_uri!r} ({first}); "
+                f"cannot reach the MLflow tracking store {self.tracking_uri!r} ({first_line(err)}); "
                 "start the server or pass --mlflow-uri with a reachable store"
             ) from None
 
@@ -396,7 +395,8 @@ class SweepTracker:
     # --- delivery -------------------------------------------------------------------------------
     def _submit(self, op: _Op) -> None:
         with self._state:
-            self._journal.setdefault(self._local.get(op.run, op.run), []).append(op)
+            if self._remote:  # only a server can go away and need the local fallback copy
+                self._journal.setdefault(self._local.get(op.run, op.run), []).append(op)
             if self._queue or self._outage_since is not None:
                 self._enqueue(op)
                 return
@@ -532,7 +532,7 @@ class SweepTracker:
                         return  # still (or again) away: back to probing
                     op.failures += 1
                     if op.failures >= _MAX_FAILURES:
-                        self._drop(op, (str(err).splitlines() or [type(err).__name__])[0][:200])
+                        self._drop(op, first_line(err))
                     continue
                 with self._state:
                     self._queue.popleft()

@@ -106,7 +106,7 @@ class DeviceWorker:
         return len(configs) <= self.sweep.config.pack.size and self.predicted_memory(configs) <= self.memory_limit
 
     def _next_ticket(self, timeout: float | None) -> TrialTicket | None:
-        """A parked trial first (it was here before), else the sweep's queue; None: nothing came."""
+        """The next trial from the sweep's queue; None: nothing came within ``timeout``."""
         try:
             ticket = self.sweep.inbox.get(timeout=timeout) if timeout != 0 else self.sweep.inbox.get_nowait()
         except queue.Empty:

@@ -37,7 +37,7 @@ MAX_KEPT_OBSERVATIONS = 256
 _RIDGE = 1e-4  # pull towards the prior, so few observations move only the factors they inform
 _BOUNDS = (0.05, 20.0)
 # engine knobs the cost model describes; an observation with any other knob set differently (e.g.
-# packed_storage off, eager ops) measured something else and is not fitted by default
+# packed_storage off, eager ops) measured something else: callers fit only ``Observation.modelled``
 _MODELLED_KNOBS = {
     "micro_batch_tokens",
     "activation_checkpointing",
