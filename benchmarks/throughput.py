@@ -351,7 +351,6 @@ class Predictor:
         *,
         checkpointing: bool = False,
         logits_chunk_tokens: int | None = 4096,
-        micro_fraction: float = 1.0,  # unused: the cost model counts micro-batches itself
         micro_batch_tokens: int | None = None,
     ) -> dict:
         try:
@@ -609,9 +608,6 @@ class Bench:
             real = stats.tokens / stats.steps
             padded = stats.padded_tokens / stats.steps
             tokens_per_s = real / step_s
-            micro_fraction = 1.0
-            if knobs.get("micro_batch_tokens"):
-                micro_fraction = min(1.0, knobs["micro_batch_tokens"] / max(1.0, padded))
             row.update(
                 tokens_per_step=real,
                 padded_tokens_per_step=padded,
@@ -631,7 +627,6 @@ class Bench:
                     configs,
                     checkpointing=bool(knobs.get("activation_checkpointing")),
                     logits_chunk_tokens=knobs.get("loss_chunk_tokens", 4096),
-                    micro_fraction=micro_fraction,
                     micro_batch_tokens=knobs.get("micro_batch_tokens"),
                 )
             )
@@ -1092,7 +1087,7 @@ def format_row(r: dict) -> str:
         value = r.get(key)
         return format(value, fmt) if isinstance(value, (int, float)) and value == value else default
 
-    pred_mem = r.get("pred_peak_gib_microbatch_adjusted", r.get("pred_peak_gib"))
+    pred_mem = r.get("pred_peak_gib")
     pred_mem_s = f"{pred_mem:6.1f}" if isinstance(pred_mem, float) else "     -"
     return (
         f"{r['name']:<44} {f('tokens_per_s', '9.0f')} tok/s  MFU {f('mfu', '5.1%')}  "

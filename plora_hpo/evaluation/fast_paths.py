@@ -1,13 +1,13 @@
 """How evaluation forwards run on CUDA: SDPA without cuDNN, fused RMSNorm/SwiGLU, segment GEMMs.
 
-Profiled on an H200 (qwen2.5-1.5b shape, bf16): cuDNN's SDPA spent ~1.8 ms of host time per
-call whenever the key length was new, as it is at every decode step and for every scoring
-batch; the flash and memory-efficient kernels launch directly. Eager RMSNorm upcasts to fp32
-and runs ~7 kernels, and the SwiGLU MLP runs ``silu`` and ``*`` apart: memory-bound passes at
-scoring sizes, launches (host time) at decode sizes. The engine's fused forwards
-(``plora_hpo.engine.fused``, what training uses on CUDA) compute the same function up to one
-bf16 rounding instead of two; on the H200 they cut scoring time by ~22% (3.31 s → 2.58 s for
-136 MRPC-length contexts × 32 adapters).
+In an H200 profile (qwen2.5-1.5b shape, bf16; not kept in ``benchmarks/results/``) cuDNN's SDPA
+spent milliseconds of host time per call whenever the key length was new, as it is at every
+decode step and for every scoring batch; the flash and memory-efficient kernels launch
+directly. Eager RMSNorm upcasts to fp32 and runs several kernels, and the SwiGLU MLP runs
+``silu`` and ``*`` apart: memory-bound passes at scoring sizes, launches (host time) at decode
+sizes. The engine's fused forwards (``plora_hpo.engine.fused``, what training uses on CUDA)
+compute the same function up to one bf16 rounding instead of two, and were the largest single
+saving in that profile's scoring time.
 
 Large forwards also apply the adapters as cuBLAS GEMMs per segment
 (:mod:`~plora_hpo.evaluation.segment_gemms`, switched on through :func:`segment_gemms_on`).

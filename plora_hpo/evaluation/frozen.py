@@ -53,8 +53,8 @@ def _concatenated(layer: PackedLoraLinear, ids: tuple[str, ...]) -> tuple[torch.
     """What ``layer._weights`` returns for a route over ``ids`` when activations have the base's dtype.
 
     That path casts each adapter's factors and then concatenates; casting the concatenation is
-    the same elementwise cast in two launches instead of 2K (a profile on the GPU: ~0.3 s of
-    host time per evaluation call for 32 adapters on 196 layers).
+    the same elementwise cast in two launches instead of 2K (host time that a GPU profile of 32
+    adapters on 196 layers showed per evaluation call).
     """
     a_cat = torch.cat([layer.lora_A[i].detach() for i in ids])
     b_cat = torch.cat([layer.lora_B[i].detach() for i in ids], dim=1)

@@ -5,8 +5,9 @@ For prefill-sized forwards the LoRA pass is bound by reading and writing the lay
 (no copies) and needs no per-layout kernel builds: the segment kernels' compile-time constants
 depend on which rank tiles a launch holds, so generation's prefill chunks, each with another mix
 of adapters, kept compiling new variants (with the fused forwards of ``fast_paths``, the H200
-benchmark's prefill went from 16.2 s to 4.3 s). At scoring sizes these GEMMs were 8% faster than
-the segment kernels without the fused forwards and as fast as them with those. Per adapter segment k
+benchmark's prefill went from 16.2 s to 4.3 s: ``prefill_seconds`` in ``eval-h200.json`` before
+and after). At scoring sizes a profile (not kept) had these GEMMs a little faster than the
+segment kernels without the fused forwards and level with them with those. Per adapter segment k
 with tokens: ``h = x_k·A_kᵀ``, ``y_k += s_k·h·B_kᵀ``.
 
 When every adapter owns the same number of tokens ``T`` (scoring: each adapter gets the same

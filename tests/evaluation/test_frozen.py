@@ -11,7 +11,8 @@ from peft import PeftModel
 
 from plora_hpo.evaluation import GenerationJob, generate_greedy
 from plora_hpo.evaluation import generation as generation_module
-from plora_hpo.evaluation.frozen import frozen_adapter_weights, full_route
+from plora_hpo.evaluation.frozen import _row_scales, frozen_adapter_weights, full_route
+from plora_hpo.kernels import SegmentLayout
 from tests.engine.conftest import VOCAB
 
 from .test_generation import EOS, RANKS, jobs_for, peft_generate, tiny_pack
@@ -71,8 +72,21 @@ def test_prebuilt_factors_cast_once_equal_the_per_call_casts(tmp_path):
         assert torch.equal(_logits(packed, ids, groups), want)
 
 
-def test_dense_path_handles_fractional_scalings_in_bf16(tmp_path):
-    """rsLoRA scalings are not exact in bf16: the dense path then scales in fp32 and rounds once."""
+def test_row_scales_keep_inexact_scalings_in_fp32():
+    """rsLoRA scalings (alpha/√r) are not exact in bf16: the dense path then scales in fp32."""
+    like = torch.zeros(1, dtype=torch.bfloat16)
+    exact = SegmentLayout.from_counts([2, 1, 3], [4, 8, 2], [2.0, 0.5, 4.0])
+    inexact = SegmentLayout.from_counts([2, 1, 3], [4, 8, 2], [2.0, 16 / 8**0.5, 4.0])
+    assert _row_scales(exact, 6, like).dtype == torch.bfloat16
+    scale = _row_scales(inexact, 6, like)
+    assert scale.dtype == torch.float32
+    assert torch.equal(scale[2, 4:12], torch.full((8,), 16 / 8**0.5))  # not rounded to bf16
+    assert torch.equal(scale[:2, :4], torch.full((2, 4), 2.0)) and torch.equal(scale[3:, 12:], torch.full((3, 2), 4.0))
+    assert int((scale != 0).sum()) == 2 * 4 + 8 + 3 * 2  # each adapter's rows × its rank columns only
+
+
+def test_dense_path_matches_the_layer_path_in_bf16(tmp_path):
+    """The dense small-batch path and the kernels' path agree to bf16 rounding."""
     _, packed, _ = tiny_pack("llama", tmp_path)
     packed.model.to(torch.bfloat16)
     for layer in packed.layers.values():  # fp32 adapter masters, as on the GPU
