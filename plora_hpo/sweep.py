@@ -283,15 +283,16 @@ class PackedSweep:
     def calibrate(
         self, worker: DeviceWorker, configs: list[AdapterConfig], step_seconds: float, peak_bytes: int | None
     ) -> None:
-        """Feed a pack's measured step time (and GPU peak memory) back into the planner's cost model."""
-        from plora_hpo.planner import record_observation
+        """Feed a pack's measured step time (and GPU peak memory) back into the planner's cost model,
+        which the worker then admits trials with (and later sweeps start from)."""
+        from plora_hpo.planner import CostModel, record_observation
         from plora_hpo.planner.model_names import shape_name_of
 
         shape_name = shape_name_of(worker.base.shape)
         if shape_name is None:  # a model of unlisted shape: nothing to calibrate against
             return
         workload = worker.cost.workload  # the engine settings the pack ran with
-        record_observation(
+        calibration = record_observation(
             shape_name,
             worker.gpu,
             configs,
@@ -304,6 +305,8 @@ class PackedSweep:
             logits_chunk_tokens=workload.logits_chunk_tokens,
             micro_batch_tokens=workload.micro_batch_tokens,
         )
+        if calibration is not None:
+            worker.cost = CostModel(workload, worker.gpu, calibration)
 
     def completed_outcome(
         self, worker: DeviceWorker, slot: _Slot, pack_id: str, metrics: dict[str, float], stats: PackStats

@@ -73,13 +73,15 @@ def test_pack_memory_knobs_reach_engine_and_admission(tmp_path, monkeypatch):
     recorded = []
     monkeypatch.setattr(PackedTrainer, "step", step)
     monkeypatch.setattr(worker_module, "CALIBRATION_STEPS", 2)  # the 5-step pack becomes an observation
-    monkeypatch.setattr(planner, "record_observation", lambda *args, **kwargs: recorded.append(kwargs))
+    fitted = planner.Calibration(launch=1.5)  # what the refit returns: the worker admits with it
+    monkeypatch.setattr(planner, "record_observation", lambda *args, **kwargs: recorded.append(kwargs) or fitted)
     knobs = {"size": 4, "gather_seconds": 5, "micro_batch_tokens": 96, "activation_checkpointing": True}
     split, sweep = train_batch(tmp_path, "knobs", pack=knobs)
 
     assert seen and all(tokens == 96 and per_step > 1 for tokens, per_step in seen)
     # the calibration learns from the pack as it ran, not as a plain pack
     assert recorded and all(r["micro_batch_tokens"] == 96 and r["checkpointing"] for r in recorded)
+    assert sweep.workers[0].cost.calibration is fitted
     configs = list(split)
     assert sweep.workers[0].cost.peak_memory(configs) < plain.workers[0].cost.peak_memory(configs)
     assert split.keys() == reference.keys()
