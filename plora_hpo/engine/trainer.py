@@ -346,13 +346,10 @@ class PackedTrainer:
             # clip_grad_norm_'s coefficient, per adapter
             coefs = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
             pack = self.packed.current_pack
-            if pack is not None and tuple(ids) == pack.ids:  # one kernel: each row times its adapter's
-                row_coefs = coefs.index_select(0, pack.row_adapter).unsqueeze(1)
-                for grad in pack.grad:
-                    grad.mul_(row_coefs)
-            else:
-                for g, coef in enumerate(coefs.unbind()):
-                    torch._foreach_mul_(grads[g * chunks : (g + 1) * chunks], coef)
+            assert pack is not None and tuple(ids) == pack.ids  # _ensure_packed packed exactly these
+            row_coefs = coefs.index_select(0, pack.row_adapter).unsqueeze(1)  # one kernel per buffer
+            for grad in pack.grad:
+                grad.mul_(row_coefs)
         return dict(zip(ids, norms.unbind()))
 
     def _forward_backward(self, mb: MicroBatch, normalizers: torch.Tensor) -> torch.Tensor:
