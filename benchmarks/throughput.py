@@ -107,7 +107,8 @@ def idle_gaps(prof, min_us: float = 20.0, top: int = 12) -> dict:
         events = json.loads(path.read_text())["traceEvents"]
     complete = [e for e in events if e.get("ph") == "X" and "dur" in e]
     device_work = ("kernel", "gpu_memcpy", "gpu_memset")
-    kernels = sorted((e["ts"], e["ts"] + e["dur"]) for e in complete if e.get("cat") in device_work)
+    named = sorted((e["ts"], e["ts"] + e["dur"], e["name"]) for e in complete if e.get("cat") in device_work)
+    kernels = [(start, stop) for start, stop, _ in named]
     host = [e for e in complete if e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function")]
     if not kernels:
         return {}
@@ -133,12 +134,39 @@ def idle_gaps(prof, min_us: float = 20.0, top: int = 12) -> dict:
             at_ms, ms = round((g_start - start) / 1e3, 2), round((g_end - g_start) / 1e3, 3)
             listed.append({"at_ms": at_ms, "ms": ms, "host": ops})
     return {
+        **_small_gaps(named),
         "before_first_kernel_ms": round((kernels[0][0] - start) / 1e3, 2),
         "after_last_kernel_ms": round(max(0.0, end - busy_until) / 1e3, 2),
         "between_kernels_ms": round(sum(b - a for a, b in gaps) / 1e3, 2),
         "gaps": len(gaps),
         "largest": listed,
         "by_host_op_s": {k: round(v, 4) for k, v in sorted(by_op.items(), key=lambda x: -x[1])[:12]},
+    }
+
+
+def _small_gaps(named: list[tuple[float, float, str]], top: int = 12) -> dict:
+    """Every gap between consecutive device ops, however short: their total, a histogram, and the
+    kernel pairs (before → after) that add up to most of it (where a step loses time to launch
+    latency rather than to one stall)."""
+    buckets = {"<2us": 0.0, "2-5us": 0.0, "5-10us": 0.0, "10-20us": 0.0, ">=20us": 0.0}
+    pairs: dict[str, list[float]] = {}
+    busy_until, before = named[0][1], named[0][2]
+    for k_start, k_end, name in named[1:]:
+        gap = k_start - busy_until
+        if gap > 0:
+            buckets[next(b for b, bound in zip(buckets, (2, 5, 10, 20, float("inf"))) if gap < bound)] += gap
+            key = f"{before[:40]} -> {name[:40]}"
+            total = pairs.setdefault(key, [0.0, 0])
+            total[0] += gap
+            total[1] += 1
+        if k_end >= busy_until:
+            busy_until, before = k_end, name
+    ranked = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "all_gaps_ms": round(sum(buckets.values()) / 1e3, 2),
+        "device_span_ms": round((named[-1][1] - named[0][0]) / 1e3, 2),
+        "gap_ms_by_size": {k: round(v / 1e3, 2) for k, v in buckets.items()},
+        "gap_pairs": [{"pair": k, "ms": round(v[0] / 1e3, 2), "count": v[1]} for k, v in ranked],
     }
 
 
@@ -689,6 +717,7 @@ class Bench:
         disagrees is switched off for the rest of the run (and said so)."""
         from plora_hpo.engine import loss
         from plora_hpo.engine.fused import silu_mul
+        from plora_hpo.engine.rotary import rotary
 
         out: dict = {}
         if self.device.type != "cuda":
@@ -724,6 +753,26 @@ class Bench:
         ref = weight.float() * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6))
         got = torch.nn.functional.rms_norm(x, (1536,), weight, 1e-6)
         out["rms_norm"] = {"out": rel(got, ref)}
+        # rotary embedding of (B, H, S, D) q/k laid out as the projections leave them, vs HF in fp64
+        from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+
+        q = torch.randn(4, 512, 12, 128, device=self.device, generator=g, dtype=torch.bfloat16).transpose(1, 2)
+        k = torch.randn(4, 512, 2, 128, device=self.device, generator=g, dtype=torch.bfloat16).transpose(1, 2)
+        angles = torch.rand(4, 512, 64, device=self.device, generator=g) * 100
+        cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+        dq, dk = torch.randn_like(q), torch.randn_like(k)
+        q, k = q.requires_grad_(), k.requires_grad_()
+        got = rotary(q, k, cos, sin)
+        got_grads = torch.autograd.grad(got, (q, k), (dq, dk))
+        ref64 = [t.detach().double().requires_grad_() for t in (q, k)]
+        want = apply_rotary_pos_emb(*ref64, cos.double(), sin.double())
+        want_grads = torch.autograd.grad(want, ref64, (dq.double(), dk.double()))
+        out["rotary"] = {
+            name: rel(a, b) for name, a, b in zip(("q", "k", "dq", "dk"), (*got, *got_grads), (*want, *want_grads))
+        }
+        if max(out["rotary"].values()) >= 1e-2:
+            os.environ["PLORA_FUSED_ROTARY"] = "0"
+            self.notes.append(f"fused rotary kernel disagreed ({out['rotary']}): switched off")
         if not (max(out["silu_mul"].values()) < 1e-2 and out["rms_norm"]["out"] < 1e-2):
             self.fused_ok = False
             self.notes.append(f"fused elementwise kernels disagreed ({out}): switched off")
@@ -802,7 +851,7 @@ class Bench:
                 "device_busy_s": busy,
                 "device_s_by_family": {f: round(v, 4) for f, v in sorted(totals.items(), key=lambda x: -x[1])},
                 "kernel_launches": launches,
-                "top_kernels": [{"s": round(t, 4), "name": n, "count": c} for t, n, c in top[:15]],
+                "top_kernels": [{"s": round(t, 4), "name": n, "count": c} for t, n, c in top[:40]],
                 "host_self_s": round(sum(t for t, _, _ in cpu_top), 4),
                 "top_host_ops": [
                     {"s": round(t, 4), "name": n, "count": c} for t, n, c in sorted(cpu_top, reverse=True)[:12]
@@ -1197,6 +1246,7 @@ def run(args: argparse.Namespace) -> None:
         (f"{big} s{seq} packed K32 -packed_storage", dict(k=K32, knobs={"packed_storage": False}), 15),
         (f"{big} s{seq} packed K32 -fused_elementwise", dict(k=K32, knobs={"fused_elementwise": False}), 10),
         (f"{big} s{seq} packed K32 -fused_ce", dict(k=K32, env={"PLORA_FUSED_CE": "0"}), 10),
+        (f"{big} s{seq} packed K32 -fused_rotary", dict(k=K32, env={"PLORA_FUSED_ROTARY": "0"}), 10),
         (f"{big} s{seq} packed K32 -prefetch", dict(k=K32, knobs={"prefetch": False}), 10),
         (f"{big} s{seq} mixedlen K32 padded", dict(k=K32, min_len=seq // 8), 10),
         (f"{big} s{seq} mixedlen K32 varlen", dict(k=K32, min_len=seq // 8, knobs={"packing": "varlen"}), 12),

@@ -214,17 +214,21 @@ def weight_grad(
     tuning: Tuning,
     dx: tuple[torch.Tensor, torch.Tensor] | None = None,
     accumulate: bool = False,
+    into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gradient shaped like ``like`` (A: rank_dim 0, B: rank_dim 1): ``Σ_t m[t, c] h[t, j]``.
 
     With ``dx=(a_cat, dx_out)`` (the dA pass: m = x, h = g) it also writes ``g · A_k`` into
     ``dx_out`` (shaped like x) in the same pass over the rows: on adapter rows, with 0 on the
     others; or, with ``accumulate``, added to what ``dx_out`` holds, other rows untouched.
+    With ``into`` (shaped like ``like``, fp32, any strides: a view of the trainer's gradient
+    buffer) the gradient is added into it and ``into`` is returned: no gradient tensor of its
+    own, no cast, no separate add.
     """
     n_rows, n_cols = m.shape
     fused = dx is not None
     a, d = dx if fused else (m, m)  # unused pointers when not fused
-    out_strides = (like.shape[1], 1)  # the gradient is allocated contiguous
+    out_strides = (like.shape[1], 1) if into is None else into.stride()  # own gradients are contiguous
     stride_oc, stride_or = out_strides[1 - rank_dim], out_strides[rank_dim]
     ints = (n_cols, *m.stride(), stride_oc, stride_or, *a.stride(), *d.stride())
 
@@ -240,7 +244,9 @@ def weight_grad(
         target = tuning.waves * multiprocessors(m.device)
         launches = []
         for g in groups:
-            consts, widths = _consts(g, block_m, cfg, n_cols, plan.align, DX=fused, DX_ACC=fused and accumulate)
+            consts, widths = _consts(
+                g, block_m, cfg, n_cols, plan.align, DX=fused, DX_ACC=fused and accumulate, OUT_ACC=into is not None
+            )
             n_steps = cdiv(n_cols, min(widths))
             per_program = g.max_rows * max(widths) * m.element_size() * (2 if fused else 1)
             programs = n_steps * g.num_adapters
@@ -252,6 +258,11 @@ def weight_grad(
         return _Spec(tuple(launches), any(ln.grid[2] > 1 for ln in launches), bare)
 
     def launch(spec: _Spec) -> torch.Tensor:
+        if into is not None:  # added in place, atomically when split
+            for ln in spec.launches:
+                ln(m, h, into, a, d)
+            _bare_rows(d, None, spec.bare_rows)
+            return into
         dtype = torch.float32 if spec.atomic else like.dtype
         if spec.atomic or not plan.all_columns_written:
             out = torch.zeros(like.shape, dtype=dtype, device=like.device)
@@ -263,4 +274,4 @@ def weight_grad(
         return out.to(like.dtype) if spec.atomic else out
 
     key = ("outer", n_rows, *ints, tuple(like.shape), m.dtype, h.dtype, like.dtype, a.dtype, d.dtype, rank_dim)
-    return _run(plan, tuning, (*key, fused, accumulate), build, launch)
+    return _run(plan, tuning, (*key, fused, accumulate, into is not None), build, launch)

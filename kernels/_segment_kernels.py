@@ -282,11 +282,24 @@ def expand_kernel(
 
 
 @triton.jit
+def _out_block(out_ptr, cs, rs, c_ok, r_ok, stride_oc, stride_or, O_ALIGN_C: tl.constexpr, O_ALIGN_R: tl.constexpr):
+    """Pointers and mask of an outer program's (columns × ranks) block of its gradient."""
+    o_c = cs * stride_oc
+    o_r = rs * stride_or
+    if O_ALIGN_C > 1:  # hints on the op results themselves
+        o_c = tl.multiple_of(o_c, O_ALIGN_C)
+    if O_ALIGN_R > 1:
+        o_r = tl.multiple_of(o_r, O_ALIGN_R)
+    return out_ptr + o_c[:, None] + o_r[None, :], c_ok[:, None] & r_ok[None, :]
+
+
+@triton.jit
 def _outer_cols(
     m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, c0, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
     n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
     RANK_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BC: tl.constexpr,
     EVEN_C: tl.constexpr, USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr, DX: tl.constexpr, DX_ACC: tl.constexpr,
+    OUT_ACC: tl.constexpr,
     O_ALIGN_C: tl.constexpr, O_ALIGN_R: tl.constexpr, A_ALIGN_R: tl.constexpr, A_ALIGN_C: tl.constexpr,
 ):  # fmt: skip
     t0 = tl.load(tok_ptr + k)
@@ -308,7 +321,11 @@ def _outer_cols(
         a_ptrs = a_ptr + a_r[:, None] + a_c[None, :]
         a_blk = tl.load(a_ptrs, mask=rank_ok[:, None] & c_ok[None, :], other=0.0).to(dot_dtype)
 
-    acc = tl.zeros((BC, RANK_TILE), dtype=tl.float32)
+    if OUT_ACC and not USE_ATOMIC:  # start from what out holds: its load overlaps the first tiles'
+        o_ptrs, mask = _out_block(out_ptr, cs, r0 + ranks, c_ok, rank_ok, stride_oc, stride_or, O_ALIGN_C, O_ALIGN_R)
+        acc = tl.load(o_ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros((BC, RANK_TILE), dtype=tl.float32)
     for row0 in range(t0 + split * BLOCK_M, t1, n_split * BLOCK_M):
         rows = row0 + tl.arange(0, BLOCK_M)
         row_ok = rows < t1
@@ -328,14 +345,7 @@ def _outer_cols(
                 d += tl.load(d_ptrs, mask=d_mask, other=0.0).to(tl.float32)
             tl.store(d_ptrs, d.to(dx_ptr.dtype.element_ty), mask=d_mask)
 
-    o_c = cs * stride_oc
-    o_r = (r0 + ranks) * stride_or
-    if O_ALIGN_C > 1:
-        o_c = tl.multiple_of(o_c, O_ALIGN_C)
-    if O_ALIGN_R > 1:
-        o_r = tl.multiple_of(o_r, O_ALIGN_R)
-    o_ptrs = out_ptr + o_c[:, None] + o_r[None, :]
-    mask = c_ok[:, None] & rank_ok[None, :]
+    o_ptrs, mask = _out_block(out_ptr, cs, r0 + ranks, c_ok, rank_ok, stride_oc, stride_or, O_ALIGN_C, O_ALIGN_R)
     if USE_ATOMIC:
         tl.atomic_add(o_ptrs, acc, mask=mask, sem="relaxed")
     else:
@@ -348,7 +358,7 @@ def _outer_tile(
     n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
     RANK_TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_C_BIG: tl.constexpr,
     GRID_C: tl.constexpr, EVEN_C: tl.constexpr, USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr,
-    DX: tl.constexpr, DX_ACC: tl.constexpr,
+    DX: tl.constexpr, DX_ACC: tl.constexpr, OUT_ACC: tl.constexpr,
     O_ALIGN_C: tl.constexpr, O_ALIGN_R: tl.constexpr, A_ALIGN_R: tl.constexpr, A_ALIGN_C: tl.constexpr,
 ):  # fmt: skip
     """Columns ``pid_c·GRID_C`` on, one body-width block; a body wider than the grid's step
@@ -359,13 +369,15 @@ def _outer_tile(
         _outer_cols(
             m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, c0, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
             n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
-            RANK_TILE, BLOCK_M, BC, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
+            RANK_TILE, BLOCK_M, BC, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, OUT_ACC,
+            O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
         )  # fmt: skip
     elif c0 % BC == 0:
         _outer_cols(
             m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, c0, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
             n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
-            RANK_TILE, BLOCK_M, BC, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
+            RANK_TILE, BLOCK_M, BC, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, OUT_ACC,
+            O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
         )  # fmt: skip
 
 
@@ -377,6 +389,7 @@ def outer_kernel(
     TBIG: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_C_BIG: tl.constexpr, GRID_C: tl.constexpr,
     EVEN_C: tl.constexpr, USE_ATOMIC: tl.constexpr, ALIGN: tl.constexpr, DX: tl.constexpr, DX_ACC: tl.constexpr,
+    OUT_ACC: tl.constexpr,
     O_ALIGN_C: tl.constexpr, O_ALIGN_R: tl.constexpr, A_ALIGN_R: tl.constexpr, A_ALIGN_C: tl.constexpr,
 ):  # fmt: skip
     """``out_k[c, j] (+)= Σ_t m[t, c] · h[t, j]`` over (a split of) adapter k's token rows.
@@ -389,7 +402,8 @@ def outer_kernel(
     ``dx[t, c] = Σ_j g[t, j] · A_k[j, c]`` for the rows and columns it visits, with ``A_k[j, c]``
     at ``a_ptr + (rank_offset_k + j)*stride_ar + c*stride_ac``: g is read once for both, and
     dx costs no launch of its own. ``DX_ACC`` adds that into dx instead (the base layer's
-    ``dy·W`` already there), so no separate add pass over dx is needed.
+    ``dy·W`` already there), so no separate add pass over dx is needed. ``OUT_ACC`` likewise adds
+    ``out_k`` into what ``out`` holds (the trainer's fp32 gradient buffer) instead of storing it.
     """
     pid_c = tl.program_id(0)
     k = tl.load(adapters_ptr + 2 * tl.program_id(1))
@@ -400,7 +414,7 @@ def outer_kernel(
         _outer_tile(
             m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
             n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
-            SINGLE, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC,
+            SINGLE, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, OUT_ACC,
             O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
         )  # fmt: skip
     else:
@@ -409,7 +423,7 @@ def outer_kernel(
                 _outer_tile(
                     m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
                     n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
-                    16, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC,
+                    16, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, OUT_ACC,
                     O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
                 )  # fmt: skip
         if T32:  # noqa: SIM102 - static (constexpr) test around a runtime one
@@ -417,7 +431,7 @@ def outer_kernel(
                 _outer_tile(
                     m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
                     n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
-                    32, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC,
+                    32, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, OUT_ACC,
                     O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
                 )  # fmt: skip
         if T64:  # noqa: SIM102 - static (constexpr) test around a runtime one
@@ -425,7 +439,7 @@ def outer_kernel(
                 _outer_tile(
                     m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
                     n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
-                    64, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC,
+                    64, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, OUT_ACC,
                     O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
                 )  # fmt: skip
         if T128:  # noqa: SIM102 - static (constexpr) test around a runtime one
@@ -433,7 +447,7 @@ def outer_kernel(
                 _outer_tile(
                     m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
                     n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
-                    128, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC,
+                    128, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, OUT_ACC,
                     O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
                 )  # fmt: skip
         if TBIG > 0:  # noqa: SIM102 - static (constexpr) test around a runtime one
@@ -441,6 +455,6 @@ def outer_kernel(
                 _outer_tile(
                     m_ptr, h_ptr, out_ptr, a_ptr, dx_ptr, k, pid_c, split, n_split, tok_ptr, rank_ptr, hoff_ptr,
                     n_cols, stride_mt, stride_mc, stride_oc, stride_or, stride_ar, stride_ac, stride_dt, stride_dc,
-                    TBIG, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC,
+                    TBIG, BLOCK_M, BLOCK_C, BLOCK_C_BIG, GRID_C, EVEN_C, USE_ATOMIC, ALIGN, DX, DX_ACC, OUT_ACC,
                     O_ALIGN_C, O_ALIGN_R, A_ALIGN_R, A_ALIGN_C,
                 )  # fmt: skip

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from plora_hpo.kernels import _tuning
+from plora_hpo.kernels._grads_into import grads_into as grads_into_buffers
 from plora_hpo.kernels.layout import SegmentLayout
 from plora_hpo.kernels.triton_lora import check_shapes, h_like, layout_of, lora_backward, lora_forward, use_op
 
@@ -32,29 +33,34 @@ def _forward(x, weight, bias, a_cat, b_cat, layout, tuning) -> tuple[torch.Tenso
     return lora_forward(x, a_cat, b_cat, _base(x, weight, bias), layout, tuning, in_place=True)
 
 
-def _backward(dy, x, weight, a_cat, b_cat, h, layout, tuning, need_x, need_a, need_b):
-    """dx = dy·W with the adapters' part added in place, dA, dB (None where not needed)."""
+def _backward(dy, x, weight, a_cat, b_cat, h, layout, tuning, need_x, need_a, need_b, grads_into=None):
+    """dx = dy·W with the adapters' part added in place, dA, dB (None where not needed, or
+    where they were added into ``grads_into``)."""
     dx_base = torch.mm(dy, weight) if need_x else None
-    return lora_backward(dy, x, a_cat, b_cat, h, layout, tuning, need_x, need_a, need_b, dx_into=dx_base)
+    return lora_backward(
+        dy, x, a_cat, b_cat, h, layout, tuning, need_x, need_a, need_b, dx_into=dx_base, grads_into=grads_into
+    )
 
 
 class _AdaptedLinear(torch.autograd.Function):
     """Saves x, W, A, B and the rank buffer h; nothing else of size tokens × hidden."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, a_cat, b_cat, layout):  # type: ignore[override]
+    def forward(ctx, x, weight, bias, a_cat, b_cat, layout, grads_into):  # type: ignore[override]
         tuning = _tuning.current()
         y, h = _forward(x, weight, bias, a_cat, b_cat, layout, tuning)
         ctx.save_for_backward(x, weight, a_cat, b_cat, h)
-        ctx.layout, ctx.tuning = layout, tuning
+        ctx.layout, ctx.tuning, ctx.grads_into = layout, tuning, grads_into
         return y
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
         x, weight, a_cat, b_cat, h = ctx.saved_tensors
         need_x, _, _, need_a, need_b = ctx.needs_input_grad[:5]
-        dx, da, db = _backward(dy, x, weight, a_cat, b_cat, h, ctx.layout, ctx.tuning, need_x, need_a, need_b)
-        return dx, None, None, da, db, None
+        dx, da, db = _backward(
+            dy, x, weight, a_cat, b_cat, h, ctx.layout, ctx.tuning, need_x, need_a, need_b, ctx.grads_into
+        )
+        return dx, None, None, da, db, None, None
 
 
 # ---- the custom ops (what torch.compile sees) ----
@@ -133,8 +139,10 @@ def adapted_linear_triton(
     a_cat: torch.Tensor,
     b_cat: torch.Tensor,
     layout: SegmentLayout,
+    grads_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """``x·Wᵀ (+ bias) + delta`` for 2-D x ``(N, d_in)``, in x's dtype; gradients to x, A, B."""
+    """``x·Wᵀ (+ bias) + delta`` for 2-D x ``(N, d_in)``, in x's dtype; gradients to x, A, B,
+    or for A and B added into ``grads_into`` (see :func:`plora_hpo.kernels.dispatch.adapted_linear`)."""
     check_shapes(x, a_cat, b_cat, layout)
     if weight.shape != (b_cat.shape[0], x.shape[1]) or (bias is not None and bias.shape != (weight.shape[0],)):
         bias_shape = None if bias is None else tuple(bias.shape)
@@ -142,7 +150,13 @@ def adapted_linear_triton(
             f"weight {tuple(weight.shape)} / bias {bias_shape} do not fit x {tuple(x.shape)} and b_cat "
             f"{tuple(b_cat.shape)}: want ({b_cat.shape[0]}, {x.shape[1]}) / ({b_cat.shape[0]},)"
         )
+    if grads_into is not None:
+        for into, like in zip(grads_into, (a_cat, b_cat)):
+            if into.shape != like.shape or into.dtype != torch.float32:
+                raise ValueError(f"gradient buffer {tuple(into.shape)} {into.dtype}: want {tuple(like.shape)} float32")
     if use_op():
+        if grads_into is not None:
+            a_cat, b_cat = grads_into_buffers(a_cat, b_cat, grads_into)
         offsets = (list(layout.token_offsets), list(layout.rank_offsets), list(layout.scalings))
         return torch.ops.plora_hpo.adapted_linear(x, weight, bias, a_cat, b_cat, *offsets)[0]
-    return _AdaptedLinear.apply(x, weight, bias, a_cat, b_cat, layout)
+    return _AdaptedLinear.apply(x, weight, bias, a_cat, b_cat, layout, grads_into)

@@ -19,6 +19,7 @@ import os
 
 import torch
 
+from plora_hpo.kernels._grads_into import grads_into as grads_into_buffers
 from plora_hpo.kernels.layout import SegmentLayout
 from plora_hpo.kernels.reference import adapted_linear_reference, packed_lora_reference
 
@@ -69,6 +70,7 @@ def adapted_linear(
     a_cat: torch.Tensor,
     b_cat: torch.Tensor,
     layout: SegmentLayout,
+    grads_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``x·Wᵀ (+ bias) + delta``: a frozen linear layer plus K packed LoRA adapters.
 
@@ -77,20 +79,26 @@ def adapted_linear(
         weight: ``(d_out, d_in)`` frozen base weight (must not require grad), x's dtype.
         bias: ``(d_out,)`` frozen bias or None.
         a_cat, b_cat, layout: as for :func:`packed_lora_reference`.
+        grads_into: fp32 tensors shaped like ``a_cat`` and ``b_cat`` (any strides) that dA and
+            dB are added into, instead of reaching ``a_cat``/``b_cat`` as gradients.
 
     Returns ``(..., d_out)`` in x's dtype. Gradients flow to x, ``a_cat`` and ``b_cat`` only; on
-    the Triton path dx is ``dy·W`` with the adapters' part added in place (no extra add).
+    the Triton path dx is ``dy·W`` with the adapters' part added in place (no extra add), and
+    ``grads_into`` is written by the weight-gradient kernel itself.
     """
     if weight.requires_grad or (bias is not None and bias.requires_grad):
         raise ValueError("adapted_linear keeps the base layer frozen: weight and bias must not require grad")
     x2 = x.reshape(-1, x.shape[-1])
+    y = None
     if _triton_wanted(x):
         try:
             from plora_hpo.kernels.adapted_linear import adapted_linear_triton
         except ImportError:  # Triton kernels not built yet or triton missing
-            y = adapted_linear_reference(x2, weight, bias, a_cat, b_cat, layout)
+            pass
         else:
-            y = adapted_linear_triton(x2, weight, bias, a_cat, b_cat, layout)
-    else:
+            y = adapted_linear_triton(x2, weight, bias, a_cat, b_cat, layout, grads_into)
+    if y is None:
+        if grads_into is not None:
+            a_cat, b_cat = grads_into_buffers(a_cat, b_cat, grads_into)
         y = adapted_linear_reference(x2, weight, bias, a_cat, b_cat, layout)
     return y.view(*x.shape[:-1], weight.shape[0])

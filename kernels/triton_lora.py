@@ -17,7 +17,7 @@ Two doors to the same implementation:
   ``torch.compile`` sees as single nodes of its graph, forward and backward;
 * in eager mode, a plain ``torch.autograd.Function`` over the same two functions. The custom
   op's Python dispatch and autograd wrapper add host time to every call (``kernels-h200.json``:
-  ``ours_op_ms`` against ``ours_ms``, e.g. 0.94 against 0.45 ms for 7b.q_o mixed at K=32), and a
+  ``ours_op_ms`` against ``ours_ms``, e.g. 1.22 against 0.45 ms for 7b.q_o mixed at K=32), and a
   packed step calls this on every adapted projection of every layer, where host time is what
   small packs are bound by.
 
@@ -79,29 +79,35 @@ def lora_backward(
     need_a: bool,
     need_b: bool,
     dx_into: torch.Tensor | None = None,
+    grads_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """dx, dA, dB (None where not needed), DESIGN.md §2 cases 1-4.
 
     With ``dx_into`` (shaped like x, e.g. the base layer's ``dy·W``) the adapters' dx is added
     into it on adapter rows, other rows untouched, and it is returned as dx: no separate dx
-    buffer and no elementwise add of two full-size gradients.
+    buffer and no elementwise add of two full-size gradients. With ``grads_into`` (fp32 tensors
+    shaped like A_cat and B_cat, e.g. views of the trainer's gradient buffer) dA and dB are added
+    into those instead and come back as None.
     """
     plan = plan_for(layout, tuning.block_m, x.device)
     dx = da = db = None
+    a_into, b_into = grads_into if grads_into is not None else (None, None)
     if need_b:
-        db = weight_grad(dy, h, b_cat, 1, plan, tuning)  # case 1: dB_k = dyᵀ · h_k
+        db = weight_grad(dy, h, b_cat, 1, plan, tuning, into=b_into)  # case 1: dB_k = dyᵀ · h_k
     if need_x or need_a:
         g = shrink(dy, b_cat, b_cat.stride(0), b_cat.stride(1), plan, tuning)  # case 2: s·dy·B_k
         accumulate = dx_into is not None
         if need_x:
             dx = dx_into if accumulate else empty(tuple(x.shape), x.dtype, x.device, tuning)
         if need_a and need_x and tuning.fuse_dx:  # cases 3 and 4 in one pass over x and g
-            da = weight_grad(x, g, a_cat, 0, plan, tuning, dx=(a_cat, dx), accumulate=accumulate)
+            da = weight_grad(x, g, a_cat, 0, plan, tuning, dx=(a_cat, dx), accumulate=accumulate, into=a_into)
         else:
             if need_a:
-                da = weight_grad(x, g, a_cat, 0, plan, tuning)  # case 3: dA_k = gᵀ · x
+                da = weight_grad(x, g, a_cat, 0, plan, tuning, into=a_into)  # case 3: dA_k = gᵀ · x
             if need_x:  # case 4: dx (+)= g · A_k
                 expand(g, a_cat, a_cat.stride(0), a_cat.stride(1), dx, dx if accumulate else None, plan, tuning)
+    if grads_into is not None:
+        da = db = None
     return dx, da, db
 
 

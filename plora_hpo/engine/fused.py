@@ -9,6 +9,8 @@ replaces
   CUDA in recent PyTorch; it saves only the input and the per-row rstd);
 * each SwiGLU MLP's ``act(gate) * up`` by one Triton kernel forward and one backward that saves
   only ``gate`` and ``up``;
+* each attention module's rotary embedding of q and k by one Triton kernel each way
+  (:mod:`plora_hpo.engine.rotary`);
 
 and, for padding-free batches, lets attention run the variable-length flash kernel
 (:func:`varlen_attention`) over sequences packed back to back in one row.
@@ -24,6 +26,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from plora_hpo.engine.rotary import fuse_rotary
 
 try:  # Triton is optional (CPU installs); the fused MLP falls back to eager without it
     import triton
@@ -119,7 +123,8 @@ def _is_swiglu(module: nn.Module) -> bool:
 
 
 def fuse_elementwise(model: nn.Module) -> int:
-    """Swap in the fused RMSNorm and SwiGLU forwards; returns how many modules were patched."""
+    """Swap in the fused RMSNorm, SwiGLU and rotary-embedding forwards; returns how many modules
+    were patched."""
     patched = 0
     for module in model.modules():
         if "forward" in module.__dict__:
@@ -130,6 +135,9 @@ def fuse_elementwise(model: nn.Module) -> int:
             patched += 1
         elif _is_swiglu(module):
             module.forward = _swiglu_forward.__get__(module)
+            module._plora_fused = True
+            patched += 1
+        elif fuse_rotary(module):
             module._plora_fused = True
             patched += 1
     return patched

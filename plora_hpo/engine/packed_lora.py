@@ -14,8 +14,8 @@ few flat tensors per adapter instead of layers × 2.
 Its per-layer ``lora_A``/``lora_B`` parameters (what export and evaluation see) are views into it.
 Once per step the whole buffer is cast to the activations' dtype in one kernel (bf16 on the GPU);
 a layer hands the kernel strided column slices of that copy (its A_cat and Bᵀ_cat, no copies),
-and the kernels' weight gradients are added into the fp32 gradient buffer by hooks (one kernel
-per layer and factor; no per-layer casts either way). A forward whose route lists exactly the
+and the weight-gradient kernels add into the matching slices of the fp32 gradient buffer
+themselves (no per-layer gradient tensors, casts or adds). A forward whose route lists exactly the
 packed adapters in that order, while the copy is fresh, takes this path; any other route
 (evaluation, a different order) concatenates the per-layer parameters per call as before. Both
 paths compute the same function and put the same gradients on the adapters.
@@ -28,7 +28,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
@@ -95,6 +95,7 @@ class _LayerSlot:
     ids: tuple[str, ...]
     a: torch.Tensor  # (Σr, d_in) leaf, a strided view of the pack's compute copy
     b: torch.Tensor  # (d_out, Σr) leaf (transposed view): adapter k's B is b[:, r0:r1]
+    grads: tuple[torch.Tensor, torch.Tensor]  # the same views of the pack's fp32 gradient
     pack: _Pack
 
 
@@ -109,7 +110,7 @@ class _Pack:
     parameter for that chunk (what the optimizer, clipping and norms see). A layer's
     ``A_cat``/``Bᵀ_cat`` are strided column slices, handed to the kernels without copies.
     ``compute`` is ``master`` cast to the activations' dtype once per step (``master`` itself
-    when no cast is needed); gradients land in ``grad`` (fp32, same layout) through hooks.
+    when no cast is needed); the layers' backward adds gradients into ``grad`` (fp32, same layout).
     """
 
     ids: tuple[str, ...]
@@ -119,7 +120,6 @@ class _Pack:
     row_adapter: torch.Tensor  # (Σr,) int64 on the device: the pack slot of each row
     compute: list[torch.Tensor] | None = None
     fresh: bool = False  # compute holds master's current values (set by refresh, cleared by stale)
-    hooks: list = field(default_factory=list)
 
 
 class PackedLoraLinear(nn.Module):
@@ -167,10 +167,8 @@ class PackedLoraLinear(nn.Module):
         return self.in_features + self.out_features
 
     def _weights(self, route: Route, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A_cat: Σr × d_in, B_cat: d_out × Σr) for the route's adapters, in the compute dtype."""
-        slot = self._slot
-        if slot is not None and slot.pack.fresh and route.adapter_ids == slot.ids:
-            return slot.a, slot.b  # leaves over the pack's compute copy; their grads go to pack.grad
+        """(A_cat: Σr × d_in, B_cat: d_out × Σr) for the route's adapters, in the compute dtype,
+        concatenated from the per-layer parameters (the path outside the trainer's pack)."""
         cast = self.router.cast_adapters and dtype.is_floating_point
         a_parts = [self.lora_A[i] for i in route.adapter_ids]
         b_parts = [self.lora_B[i] for i in route.adapter_ids]
@@ -183,22 +181,16 @@ class PackedLoraLinear(nn.Module):
         route = self.router.current
         if route is None or not route.adapter_ids:
             return self.base(x)
-        a_cat, b_cat = self._weights(route, x.dtype)
+        slot = self._slot
+        if slot is not None and slot.pack.fresh and route.adapter_ids == slot.ids:
+            a_cat, b_cat, grads = slot.a, slot.b, slot.grads  # the pack: compute copy in, fp32 gradient out
+        else:
+            (a_cat, b_cat), grads = self._weights(route, x.dtype), None
         tokens_per_row = x.shape[-2] if x.dim() == 3 else 1
         # one node for base and adapters: its backward writes dx = dy·W and the adapters' part
         # into one buffer, where base + delta as two nodes would leave autograd a full-size add
-        return adapted_linear(x, self.base.weight, self.base.bias, a_cat, b_cat, route.layout(tokens_per_row))
-
-
-def _into(grad_view: torch.Tensor):
-    """Post-accumulate hook of a compute-copy leaf: add its gradient into the fp32 pack gradient
-    (one kernel, any dtype) and drop it, so no per-layer gradient outlives the backward."""
-
-    def hook(leaf: torch.Tensor) -> None:
-        grad_view.add_(leaf.grad)
-        leaf.grad = None
-
-    return hook
+        layout = route.layout(tokens_per_row)
+        return adapted_linear(x, self.base.weight, self.base.bias, a_cat, b_cat, layout, grads_into=grads)
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -408,8 +400,6 @@ class PackedLoraModel:
         pack, self._pack = self._pack, None
         if pack is None:
             return
-        for handle in pack.hooks:
-            handle.remove()
         for layer in self.layers.values():
             layer._slot = None
         with torch.no_grad():
@@ -482,17 +472,12 @@ class PackedLoraModel:
         pack.fresh = True
 
     def _build_compute(self, pack: _Pack, dtype: torch.dtype) -> None:
-        for handle in pack.hooks:
-            handle.remove()
-        pack.hooks = []
         pack.compute = pack.master if dtype == pack.master[0].dtype else [m.to(dtype) for m in pack.master]
         for layer in self.layers.values():
             a_view, b_view = self._views(pack.compute, layer)
+            # leaves only so that autograd runs the layer's backward; their gradients go to pack.grad
             a_leaf, b_leaf = a_view.detach().requires_grad_(), b_view.detach().requires_grad_()
-            a_grad, b_grad = self._views(pack.grad, layer)
-            pack.hooks.append(a_leaf.register_post_accumulate_grad_hook(_into(a_grad)))
-            pack.hooks.append(b_leaf.register_post_accumulate_grad_hook(_into(b_grad)))
-            layer._slot = _LayerSlot(pack.ids, a_leaf, b_leaf, pack)
+            layer._slot = _LayerSlot(pack.ids, a_leaf, b_leaf, self._views(pack.grad, layer), pack)
 
     def mark_stale(self) -> None:
         """The master changed (optimizer step): layers stop using the compute copy until refreshed."""

@@ -168,19 +168,22 @@ class Prior:
     adapter) and device time (matmul FLOPs ÷ measured peak, activation and LoRA bytes ÷
     bandwidth, a fixed time per layer and forward, the optimizer update). The update is device
     time only: the engine does not wait for it at the end of a step, so the next step's
-    launches overlap it. The constants come from the H200 run of 2026-11-30
-    (``benchmarks/results/throughput-h200.json``, bf16 matmul 767.5 TFLOP/s). Its ``profile`` of
-    one qwen2.5-1.5b K 32 step: cuBLAS and cuDNN attention 0.217 s for 155.5 TFLOP (efficiency
-    0.93); LoRA kernels 0.081 s, of which their activation bytes take 0.047 s, leaving 8.05 TFLOP
-    at 0.3 of the peak; AdamW, norms, clip and zeroing ≈ 0.024 s for 1.74 G parameters × 44 bytes
-    (0.74 of the bandwidth); SwiGLU, RMSNorm, cross-entropy and the other elementwise kernels
-    ≈ 0.049 s besides the adapter casts (3.7 passes over the saved activations, plus the logits);
-    and the 0.060 s by which the measured step (0.442 s) exceeds the kernels' busy time
-    (0.382 s), the gaps between its 3761 kernels (2.1 ms per layer and forward). The host-bound
-    rows (K 1 0.162 s, K 8 0.191 s, K 32 in three forwards 0.597 s) give 0.158 s per forward of
-    28 layers and 3.9 ms per adapter; of a layer's 5.65 ms, 0.5 ms per adapted projection (its
-    fused base + LoRA node's host time and its seven launches in the profile). Calibration
-    corrects them per (model, GPU).
+    launches overlap it. The constants come from the H200 runs of 2026-11-30. Memory, matmul,
+    traffic, LoRA and optimizer constants were fitted to the 03:56 run's profile of one
+    qwen2.5-1.5b K 32 step: cuBLAS and cuDNN attention 0.217 s for 155.5 TFLOP (efficiency 0.93);
+    LoRA kernels 0.081 s, of which their activation bytes take 0.047 s, leaving 8.05 TFLOP at 0.3
+    of the peak; AdamW, norms, clip and zeroing ≈ 0.024 s for 1.74 G parameters × 44 bytes (0.74
+    of the bandwidth); SwiGLU, RMSNorm, cross-entropy and the other elementwise kernels ≈ 0.049 s
+    besides the adapter casts (3.7 passes over the saved activations, plus the logits). The
+    current file (``benchmarks/results/throughput-h200.json``, after the rotary embedding was
+    fused and the weight-gradient kernels began adding into the fp32 pack gradient) measures
+    the same families within 0.01 s (matmul 0.217, LoRA 0.092, elementwise 0.057, optimizer
+    0.019 s), so those stand; the per-forward adapter bytes drop to the bf16 cast (6) and the
+    kernels' fp32 read-modify-write of the gradient (8). Its step (0.403 s) exceeds the kernels'
+    busy time (0.387 s) by 0.016 s: the gaps between its 2585 kernels, 0.57 ms per layer and
+    forward. Its host-bound rows (K 1 0.149 s, K 8 0.173 s) give 0.146 s per forward of 28
+    layers and 3.4 ms per adapter; of a layer's 5.2 ms, 0.46 ms per adapted projection (in the
+    same proportion as the 03:56 profile's host times). Calibration corrects them per (model, GPU).
     """
 
     # memory: saved elements per token and decoder layer
@@ -201,14 +204,14 @@ class Prior:
     lora_input_passes: float = 3.0  # x read by shrink (forward) and dA (backward), dx written
     lora_output_passes: float = 4.0  # base output read, output written, dy read twice (dB, shrink)
     step_param_bytes: float = 44.0  # AdamW 28 (4 reads, 3 writes) + grad-norm clip 12 + zeroing 4
-    micro_param_bytes: float = 26.0  # per forward: bf16 cast 6 + bf16 grads 2 + fp32 cast-and-add 18
+    micro_param_bytes: float = 14.0  # per forward: bf16 cast 6 + the kernels' fp32 gradient read and write 8
     # AdamW (one parameter group per adapter), norms, clip and zeroing reach this share of the
     # bandwidth; the per-forward casts run on the contiguous packed buffers at full bandwidth.
     optimizer_bandwidth_efficiency: float = 0.74
-    gpu_fixed_per_layer_s: float = 2.1e-3  # per forward: GPU gaps between the layer's kernels
-    launch_per_layer_s: float = 2.15e-3  # host time per layer and forward, besides the projections
-    launch_per_target_s: float = 0.5e-3  # ... plus each adapted projection's base + LoRA node
-    launch_per_adapter_s: float = 3.9e-3  # per step: each adapter's batch, schedule and AdamW group
+    gpu_fixed_per_layer_s: float = 0.57e-3  # per forward: GPU gaps between the layer's kernels
+    launch_per_layer_s: float = 1.98e-3  # host time per layer and forward, besides the projections
+    launch_per_target_s: float = 0.46e-3  # ... plus each adapted projection's base + LoRA node
+    launch_per_adapter_s: float = 3.4e-3  # per step: each adapter's batch, schedule and AdamW group
     forward_share: float = 0.35  # the forward's share of host launches and traffic (recomputed)
 
 

@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraLinear, PackedLoraModel, PackedTrainer
+from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, packed_lora
 from plora_hpo.engine.batching import IGNORE_INDEX, plan_micro_batches
 from plora_hpo.engine.fused import fuse_elementwise, unfuse_elementwise, varlen_attention
 from plora_hpo.engine.loss import grouped_label_loss
+from plora_hpo.kernels import adapted_linear
 
 from .conftest import random_examples, tiny_model
 
@@ -259,18 +260,19 @@ def test_packed_storage_uses_flat_parameters_and_one_compute_copy():
     flat = trainer.optimizer.param_groups[1]["params"][0]
     assert flat.shape == (CONFIGS[1].rank, packed.chunk_widths[0])
     hits = []
-    original = PackedLoraLinear._weights
+    original = packed_lora.adapted_linear
 
-    def spy(self, route, dtype):
-        hits.append(self._slot is not None and self._slot.pack.fresh)
-        return original(self, route, dtype)
+    def spy(x, weight, bias, a_cat, b_cat, layout, grads_into=None):
+        pack = packed.current_pack
+        hits.append(grads_into is not None and a_cat.untyped_storage().data_ptr() == pack.compute[0].data_ptr())
+        return original(x, weight, bias, a_cat, b_cat, layout, grads_into=grads_into)
 
-    PackedLoraLinear._weights = spy
+    packed_lora.adapted_linear = spy
     try:
         trainer.step()
     finally:
-        PackedLoraLinear._weights = original
-    assert hits and all(hits)  # every layer call took the packed path
+        packed_lora.adapted_linear = original
+    assert hits and all(hits)  # every layer call took the packed path: compute copy in, pack gradient out
     pack = packed.current_pack
     assert flat is packed.flat_parameters("a1")[0]
     assert flat.data_ptr() == pack.master[0][pack.row_offsets[1]].data_ptr()
@@ -300,10 +302,18 @@ def test_bf16_compute_copy_is_one_cast_of_the_master():
     assert torch.equal(pack.compute[0], pack.master[0].to(torch.bfloat16))
     layer = next(iter(packed.layers.values()))
     assert layer._slot.a.is_leaf and layer._slot.a.data_ptr() == pack.compute[0].data_ptr()
-    grad_a = torch.ones_like(layer._slot.a)
-    layer._slot.a.backward(grad_a)  # the hook adds the leaf's gradient into the fp32 pack gradient
-    assert layer._slot.a.grad is None
-    assert float(pack.grad[0][:, layer.col_a : layer.col_b].sum()) == grad_a.numel()
+    layer.base.to(torch.bfloat16)
+    x = torch.randn(5, layer.in_features).to(torch.bfloat16)
+    with packed.route([("a0", 2), ("a1", 3)]):
+        layer(x).float().square().sum().backward()
+        layout = packed.router.current.layout(1)
+    # the gradients went into the fp32 pack gradient, not to the bf16 leaves
+    assert layer._slot.a.grad is None and layer._slot.b.grad is None
+    a, b = (t.detach().clone().requires_grad_() for t in (layer._slot.a, layer._slot.b))
+    adapted_linear(x, layer.base.weight, None, a, b, layout).float().square().sum().backward()
+    for got, want in zip(layer._slot.grads, (a.grad, b.grad)):
+        assert got.dtype == torch.float32 and torch.equal(got, want.float())
+    assert float(b.grad.abs().sum()) > 0  # B starts at zero, so dA is zero but dB is not
     packed.router.cast_adapters = False
     packed.refresh_compute(torch.bfloat16)
     assert packed.current_pack.compute is pack.master

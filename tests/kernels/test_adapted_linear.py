@@ -56,6 +56,44 @@ def test_matches_fp64_reference(name: str, mode: str, bias: bool) -> None:
     assert weight.grad is None
 
 
+def _views(buffer: torch.Tensor, case: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views shaped like A_cat and B_cat in a buffer laid out as the trainer's pack gradient (a
+    row per rank: 3 other columns, A's, Bᵀ's, 2 other columns)."""
+    return buffer[:, 3 : 3 + case.d_in], buffer[:, 3 + case.d_in : -2].t()
+
+
+def _grad_buffers(case: Case, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A prefilled fp32 buffer and its :func:`_views`."""
+    buffer = torch.randn(sum(case.ranks), case.d_in + case.d_out + 5, generator=gen).to(DEVICE)
+    return buffer, *_views(buffer, case)
+
+
+@pytest.mark.parametrize("path", ["triton", "custom_op", "reference"])
+@pytest.mark.parametrize("mode", CASE_MODES)
+def test_weight_grads_added_into_given_buffers(mode: str, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``grads_into``: dA and dB are added into strided fp32 buffers (atomically when split) and
+    the weights themselves get no gradient; dx is unchanged. Same on every path."""
+    case = CASES["ragged_empty_mixed"]
+    gen = torch.Generator().manual_seed(11)
+    layout = case.layout(gen)
+    x, a, b, _, dy = random_inputs(case, gen, torch.float32, torch.float32, DEVICE)
+    weight, bias = _frozen(case, gen, torch.float32, True)
+    buffer, a_into, b_into = _grad_buffers(case, gen)
+    before = buffer.clone()
+    monkeypatch.setenv("PLORA_KERNELS", "reference" if path == "reference" else "triton")
+    if path == "custom_op":
+        monkeypatch.setenv("PLORA_KERNELS_OP", "1")
+    with tuning.override(**_tuning_for(mode)):
+        y = adapted_linear(x, weight, bias, a, b, layout, grads_into=(a_into, b_into))
+        y.backward(dy)
+    want = _want(x, weight, bias, a, b, layout, dy)
+    assert a.grad is None and b.grad is None
+    assert rel_err(y, want[0]) <= FP32_TOL and rel_err(x.grad, want[1]) <= FP32_TOL
+    a_before, b_before = _views(before, case)
+    assert rel_err(a_into - a_before, want[2]) <= FP32_TOL and rel_err(b_into - b_before, want[3]) <= FP32_TOL
+    assert torch.equal(buffer[:, :3], before[:, :3]) and torch.equal(buffer[:, -2:], before[:, -2:])
+
+
 def test_only_dx_and_db() -> None:
     """A frozen: dx comes from the separate expand adding into dy·W (no fused dA pass)."""
     case = CASES["ragged_empty_mixed"]
@@ -150,3 +188,9 @@ def test_bf16_on_gpu(mode: str) -> None:
             got = _got(lambda: adapted_linear_triton(x, weight, bias, a, b, layout), x, a, b, dy)
         errors = [rel_err(g, w) for g, w in zip(got, want)]
         assert max(errors) <= BF16_TOL, errors
+    _, a_into, b_into = _grad_buffers(case, gen)
+    a_into.zero_(), b_into.zero_()
+    with tuning.override(**MODES[mode], poison=True):  # weight gradients straight into fp32 buffers
+        adapted_linear_triton(x, weight, bias, a, b, layout, grads_into=(a_into, b_into)).backward(dy)
+    errors = [rel_err(a_into, want[2]), rel_err(b_into, want[3])]
+    assert max(errors) <= BF16_TOL, errors

@@ -37,7 +37,7 @@ def test_observations_carry_their_engine_settings():
     assert obs("qwen2.5-7b s512 packed K32").micro_batch_tokens == 8192
     assert obs("qwen2.5-1.5b s512 packed K32").micro_batch_tokens is None
     assert len(MODELLED) == 8 and all(obs(name).modelled for name in MODELLED)
-    assert len(UNMODELLED) == 5 and not any(obs(name).modelled for name in UNMODELLED)
+    assert len(UNMODELLED) == 6 and not any(obs(name).modelled for name in UNMODELLED)
     prefetching = {**MEASURED["qwen2.5-1.5b s512 packed K32"], "knobs": {"prefetch": True}}
     assert Observation.from_dict(prefetching).modelled  # the engine's default; only its ablation is not
 
