@@ -8,7 +8,7 @@ get if it trained alone. Adapters may join (:meth:`PackedTrainer.add_job`) and l
 
 Speed knobs (all keep that contract; see the constructor): packed adapter storage with one
 bf16 cast per layer call, micro-batching with length bucketing, padding-free (varlen) packing,
-activation checkpointing, fused RMSNorm/SwiGLU, and a loss that keeps one chunk of logits alive.
+activation checkpointing, fused RMSNorm/SwiGLU/rotary embedding, and a loss that keeps one chunk of logits alive.
 A step reads nothing back from the GPU until its losses and gradient norms, once, just before
 the update (an adapter whose loss or gradient is non-finite leaves the pack there, unupdated).
 """
@@ -136,7 +136,7 @@ class PackedTrainer:
             micro-batch is one row of sequences back to back, attention kept within sequences).
         activation_checkpointing: recompute each decoder layer in the backward (keeps only layer
             inputs, at the cost of a second forward).
-        fused_elementwise: fused RMSNorm and SwiGLU (:mod:`plora_hpo.engine.fused`); ``None``
+        fused_elementwise: fused RMSNorm, SwiGLU and rotary embedding (:mod:`plora_hpo.engine.fused`); ``None``
             means on for CUDA, off elsewhere.
         packed_storage: keep the trained adapters' factors in one packed buffer, one flat
             parameter per adapter (one kernel input per layer instead of K, one bf16 cast per

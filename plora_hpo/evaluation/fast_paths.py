@@ -1,4 +1,4 @@
-"""How evaluation forwards run on CUDA: SDPA without cuDNN, fused RMSNorm/SwiGLU, segment GEMMs.
+"""How evaluation forwards run on CUDA: SDPA without cuDNN, fused elementwise ops, segment GEMMs.
 
 In an H200 profile (qwen2.5-1.5b shape, bf16; not kept in ``benchmarks/results/``) cuDNN's SDPA
 spent milliseconds of host time per call whenever the key length was new, as it is at every
@@ -7,7 +7,8 @@ directly. Eager RMSNorm upcasts to fp32 and runs several kernels, and the SwiGLU
 ``silu`` and ``*`` apart: memory-bound passes at scoring sizes, launches (host time) at decode
 sizes. The engine's fused forwards (``plora_hpo.engine.fused``, what training uses on CUDA)
 compute the same function up to one bf16 rounding instead of two, and were the largest single
-saving in that profile's scoring time.
+saving in that profile's scoring time. The same swap also fuses the rotary embedding of q and k
+(:mod:`plora_hpo.engine.rotary`), added after that profile.
 
 Large forwards also apply the adapters as cuBLAS GEMMs per segment
 (:mod:`~plora_hpo.evaluation.segment_gemms`, switched on through :func:`segment_gemms_on`).
@@ -61,7 +62,7 @@ def attention_backends(device: torch.device) -> Iterator[None]:
 
 @contextmanager
 def fused_elementwise(model: nn.Module) -> Iterator[None]:
-    """On CUDA, the engine's fused RMSNorm/SwiGLU forwards within the block.
+    """On CUDA, the engine's fused RMSNorm/SwiGLU/rotary forwards within the block.
 
     A model the trainer already fused stays as it is (and stays fused after the block).
     """

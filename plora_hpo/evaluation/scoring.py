@@ -102,11 +102,11 @@ def score_continuations(
     ordered = _routing_order(packed, adapter_ids)
     chunks = adapter_chunks(residency, ordered) if paging else [ordered]
     reads: list[_Reads] = []
+    gemms = segment_gemms_on(device)
     with fast_forwards(model):
         for group in chunks:
             if residency is not None:
                 residency.ensure(group)
-            gemms = segment_gemms_on(device)
             with frozen_adapter_weights(packed, group, enabled=not paging, segment_gemms=gemms) as frozen:
                 for sub in _split(group, batch_size):
                     per_adapter = max(1, batch_size // len(sub))

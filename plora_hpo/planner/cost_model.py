@@ -99,7 +99,7 @@ class Workload:
             ``None`` means all logits at once (PEFT).
         micro_batch_tokens: the engine's ``micro_batch_tokens`` (each step split into forwards of
             at most this many padded tokens, whole rows); ``None``: one forward per step.
-        engine: ``"packed"`` (this package's trainer: packed adapter storage, fused RMSNorm/SwiGLU
+        engine: ``"packed"`` (this package's trainer: packed adapter storage, fused RMSNorm/SwiGLU/rotary
             and chunked cross-entropy on CUDA) or ``"peft"`` (eager transformers + PEFT, one
             adapter; the baseline the benchmarks compare against).
     """
@@ -176,9 +176,11 @@ class Prior:
     of the bandwidth); SwiGLU, RMSNorm, cross-entropy and the other elementwise kernels ≈ 0.049 s
     besides the adapter casts (3.7 passes over the saved activations, plus the logits). The
     current file (``benchmarks/results/throughput-h200.json``, after the rotary embedding was
-    fused and the weight-gradient kernels began adding into the fp32 pack gradient) measures
-    the same families within 0.01 s (matmul 0.217, LoRA 0.092, elementwise 0.057, optimizer
-    0.019 s), so those stand; the per-forward adapter bytes drop to the bf16 cast (6) and the
+    fused and the weight-gradient kernels began adding into the fp32 pack gradient) profiles
+    cuBLAS at 0.217 s, the LoRA kernels at 0.092 s (they now also read and write the fp32
+    gradient), the elementwise families at 0.057 s and the optimizer at 0.019 s; with the prior
+    these predict 0.271 s for base + elementwise (profile 0.275) and 0.088 s for LoRA, so those
+    constants stand; the per-forward adapter bytes drop to the bf16 cast (6) and the
     kernels' fp32 read-modify-write of the gradient (8). Its step (0.403 s) exceeds the kernels'
     busy time (0.387 s) by 0.016 s: the gaps between its 2585 kernels, 0.57 ms per layer and
     forward. Its host-bound rows (K 1 0.149 s, K 8 0.173 s) give 0.146 s per forward of 28

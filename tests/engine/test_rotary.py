@@ -55,7 +55,7 @@ def test_swapped_into_attention_modules_and_reversible():
     function runs the original outside a patched module, and after unfusing."""
     _run(
         """
-        import copy, torch
+        import copy, sys, torch
         from tests.engine.conftest import tiny_model
         from plora_hpo.engine import rotary
         from plora_hpo.engine.fused import fuse_elementwise, unfuse_elementwise
@@ -88,7 +88,7 @@ def test_swapped_into_attention_modules_and_reversible():
             logits_and_grad(model)
             assert len(calls) == before, "the kernel ran outside a fused attention module"
         print("ok")
-        """.replace("import copy, torch", "import copy, sys, torch")
+        """
     )
 
 
