@@ -151,7 +151,7 @@ class Problem:
 
 def methods(p: Problem) -> dict[str, Callable[[], object]]:
     from plora_hpo.kernels import _tuning, packed_lora_reference
-    from plora_hpo.kernels.adapted_linear import adapted_linear_triton
+    from plora_hpo.kernels._adapted_linear import adapted_linear_triton
     from plora_hpo.kernels.triton_lora import packed_lora_add_triton, packed_lora_op, packed_lora_triton
 
     def fwd_bwd(forward: Callable[[], torch.Tensor], leaves: list[torch.Tensor]) -> Callable[[], object]:

@@ -1,151 +1,179 @@
 """Multi-GPU execution check (issue 3, item 6): degree-1 packs on every GPU at once.
 
-Usage (a machine with ≥ 2 GPUs; the GPU image needs only torch + transformers + triton)::
+Usage (a machine with ≥ 2 GPUs)::
 
     python benchmarks/multi_gpu.py --out $OUT/multi-gpu-h200x2.json
 
-The sweep's own :class:`plora_hpo.worker.DeviceWorker` threads (one per GPU, each with its own
-base-model replica, fed from one shared queue) train the same 2×K trials twice: on one GPU,
-then on all GPUs. A small host object stands in for ``PackedSweep``: it supplies random
-qwen2.5-1.5b replicas and data, and replaces lm-eval scoring and MLflow logging by the final
-training loss (neither is what this measures). Reported: wall time, tokens/s per run,
-scaling over one GPU, which device trained which trial, and the cost model's calibration
-observations of each pack. JSON records device, date, versions and the command.
+CPU check of the script itself (two workers on the host, a tiny random Qwen2 in fp32, about a
+minute; writes ``$OUT/multi-gpu-smoke.json``, or into the temp folder when ``$OUT`` is unset)::
+
+    python benchmarks/multi_gpu.py --smoke
+
+Needs torch, transformers, numpy, safetensors, pyyaml and pydantic: the sweep settings are a real
+:class:`plora_hpo.config.SweepConfig`. No lm-eval, MLflow, Optuna or ILP solver (admission is
+arrival order). A GPU image with torch, transformers and triton but no pydantic needs the wheels
+of ``pydantic``, ``pydantic-core``, ``annotated-types`` and ``typing-inspection`` (the versions of
+the project's venv), e.g. ``pip install --no-deps --no-index --target /tmp/site wheels/*.whl`` and
+``PYTHONPATH=/tmp/site``.
+
+What runs is the sweep's own machinery, wired as :class:`plora_hpo.sweep.PackedSweep` wires it:
+one :class:`~plora_hpo.worker.DeviceWorker` thread per device, each with its own
+:class:`~plora_hpo.resources.DeviceResources` (a random-init base replica on that device, the
+shared training data), all serving one :class:`~plora_hpo.trials.TrialPool`, with a
+:class:`~plora_hpo.reporting.NullReporter`, FIFO admission and checkpoint stores in a temporary
+folder (``train.checkpoint_every`` lies past every trial's steps, so none is written: this times
+training, not saves). The same 2×K trials train twice, once untimed first: on one GPU, then on
+all GPUs.
+
+Two things the workers do are replaced, since neither is what this measures (and the GPU image
+has no lm-eval): scoring a finished adapter returns NaN instead of running lm-eval, and its PEFT
+export writes nothing. A trial's reported value is its final training loss. The workers refit
+their cost model from each pack's warm steps as in a sweep; each run gets a fresh calibration
+folder (``$PLORA_HPO_CACHE``), so both start from the same prior and the machine's own
+calibration cache is left as it was.
+
+Reported: wall time, tokens/s per run, scaling over one GPU, which device trained which trial,
+and, for every pack composition that ran long enough to calibrate the cost model on, its
+measured step time and peak memory next to the cost model's predictions. JSON records device,
+date, versions and the command.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime as dt
 import itertools
 import json
+import math
+import os
 import platform
-import queue
 import random
 import shlex
 import sys
+import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import _bootstrap  # noqa: F401  (makes plora_hpo.kernels importable from a bare checkout)
 import torch
 import transformers
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.engine import OptimizerSettings
-from plora_hpo.models import load_base_model
-from plora_hpo.planner import GpuSpec
-from plora_hpo.trials import PackProgress, TrialOutcome, TrialRequest, TrialTicket
-from plora_hpo.worker import DeviceWorker
+from plora_hpo.admission import make_admission
+from plora_hpo.checkpoints import CheckpointStore
+from plora_hpo.config import SweepConfig, parse_sweep
+from plora_hpo.models import ATTN_IMPLEMENTATION, LoadedModel, default_dtype, load_base_model, random_config
+from plora_hpo.reporting import NullReporter, PackSegment
+from plora_hpo.resources import DeviceResources, TaskData, device_spec
+from plora_hpo.shapes import TARGET_MODULES, ModelShape
+from plora_hpo.tasks import TrainExample
+from plora_hpo.trials import PackProgress, TrialOutcome, TrialPool, TrialRequest, TrialTicket
+from plora_hpo.worker import CALIBRATION_STEPS, DeviceWorker
 
 RANKS = (8, 16, 32, 64, 128)
+TASK = "synthetic"  # a task name the sweep file accepts; the examples are this script's random tokens
+METRIC = "not_scored"  # what the scoring stand-in reports (NaN); the benchmark reads training losses
+TINY = ModelShape("qwen2", 64, 160, 2, 4, 2, 512, True)  # --smoke: the throughput benchmark's tiny-a
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
-@dataclass(frozen=True)
-class Example:
-    input_ids: tuple[int, ...]
-    labels: tuple[int, ...]
+@dataclasses.dataclass(frozen=True)
+class PadOnlyTokenizer:
+    """What training reads of a tokenizer (random-init bases have none; scoring is stood in for)."""
+
+    pad_token_id: int = 0
 
 
-class _NoCheckpoints:
-    def load(self, lineage: int) -> None:
-        return None
+def sweep_config(args: argparse.Namespace, model_name: str) -> SweepConfig:
+    """The sweep file this benchmark would be: fixed steps, constant lr, FIFO packs, no pruning."""
+    data = {
+        "name": "multi-gpu-benchmark",
+        "model": model_name,
+        "tasks": [TASK],
+        "target_modules": list(TARGET_MODULES),
+        "seq_len": args.seq_len,
+        "seed": 0,
+        "budget": {"steps": args.steps},
+        # what trials() draws from (the workers never sample; a sweep file needs a space)
+        "space": {
+            "rank": {"choices": list(RANKS)},
+            "alpha_multiplier": {"choices": [2.0]},
+            "learning_rate": {"choices": [1e-4]},
+            "batch_size": {"choices": [1, 2]},
+        },
+        "sampler": "grid",
+        "train": {"lr_schedule": "constant", "checkpoint_every": 10**9},  # never: this times training
+        "pack": {"size": args.pack_size, "policy": "fifo", "gather_seconds": 1.0},
+        "pruning": {"pruner": "none"},
+    }
+    return parse_sweep(data, Path("benchmarks/multi_gpu.py"))
 
-    def save(self, *args: object) -> None: ...
 
-    def delete(self, lineage: int) -> None: ...
-
-
-class BenchHost:
-    """What DeviceWorker needs from a sweep, without lm-eval, MLflow or Optuna."""
-
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.config = SimpleNamespace(
-            pack=SimpleNamespace(size=args.pack_size, gather_seconds=1.0),
-            seq_len=args.seq_len,
-            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-            train=SimpleNamespace(checkpoint_every=10**9),
-            pruning=SimpleNamespace(pruner="none"),
-        )
-        self.inbox: queue.Queue[TrialTicket | None] = queue.Queue()
-        self.progress = PackProgress()
-        self.observations: list[dict] = []
-        self._pack_ids = itertools.count()
-        rng = random.Random(0)
-        self.tasks = {
-            "bench": SimpleNamespace(
-                examples=[
-                    Example(ids := tuple(rng.randrange(1, 32_000) for _ in range(args.seq_len)), ids)
-                    for _ in range(256)
-                ],
-                metric="final_loss",
+def load_base(model: str, device: torch.device) -> LoadedModel:
+    """A random-init base replica on ``device``: a named shape, or (``tiny``) a two-layer Qwen2."""
+    dtype = default_dtype(device)  # bfloat16 on CUDA, float32 on the CPU
+    if model == "tiny":
+        with torch.random.fork_rng(devices=[]), torch.device(device):
+            torch.manual_seed(0)
+            net = transformers.AutoModelForCausalLM.from_config(
+                random_config(TINY), dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
             )
-        }
+        net.eval().requires_grad_(False)
+        loaded = LoadedModel(net, None, "tiny", TINY, "random")
+    else:
+        loaded = load_base_model(f"random:{model}", dtype=dtype, device=device, seed=0)
+    return dataclasses.replace(loaded, tokenizer=PadOnlyTokenizer())
 
-    def base_on(self, device: torch.device, replica: int) -> SimpleNamespace:
-        loaded = load_base_model(f"random:{self.args.model}", dtype=torch.bfloat16, device=device, seed=0)
-        return SimpleNamespace(
-            model=loaded.model, tokenizer=SimpleNamespace(pad_token_id=0), shape=loaded.shape, name=loaded.name
-        )
 
-    def eval_tasks_for(self, replica: int) -> dict:
-        return {}
+def train_data(seq_len: int, vocab: int) -> dict[str, TaskData]:
+    rng = random.Random(0)
+    examples = []
+    for _ in range(256):
+        ids = tuple(rng.randrange(1, min(32_000, vocab)) for _ in range(seq_len))
+        examples.append(TrainExample(ids, ids))
+    return {TASK: TaskData(examples=examples, metric=METRIC)}
 
-    def device_spec(self, device: torch.device) -> GpuSpec:
-        if device.type != "cuda":
-            return GpuSpec.host()
-        props = torch.cuda.get_device_properties(device)
-        return GpuSpec(props.name, props.total_memory / 2**30)
 
-    def next_pack_id(self, worker_name: str) -> str:
-        return f"pack-{next(self._pack_ids)}@{worker_name}"
+def _no_scores(packed: object, tokenizer: object, adapter_ids: list[str], task_dict: object, **_: object) -> dict:
+    return {a: {METRIC: math.nan} for a in adapter_ids}
 
-    def optimizer_settings(self) -> OptimizerSettings:
-        return OptimizerSettings(lr_schedule="constant")
 
-    def checkpoints(self, task: str) -> _NoCheckpoints:
-        return _NoCheckpoints()
+def _no_export(packed: object, adapter_id: str, directory: str | os.PathLike, base_model_name: str) -> Path:
+    return Path(directory)
 
-    def open_trial_run(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
-        return f"run-{request.number}"
 
-    def total_steps(self, task: str, config: AdapterConfig) -> int:
-        return self.args.steps
+@contextlib.contextmanager
+def stand_ins(calibration_root: Path) -> Iterator[None]:
+    """Scoring and export replaced (see the module doc); calibrations kept under ``calibration_root``.
 
-    def evaluate(self, worker: DeviceWorker, task: str, adapter_ids: list[str]) -> dict[str, dict[str, float]]:
-        return {a: {} for a in adapter_ids}
+    ``plora_hpo.evaluation.evaluate_adapters`` is set on the package itself: reading it the usual
+    way would import the lm-eval runner, which the GPU image cannot.
+    """
+    import plora_hpo.evaluation as evaluation
+    import plora_hpo.worker as worker_module
 
-    def completed_outcome(self, worker, slot, pack_id, metrics, stats) -> TrialOutcome:
-        return TrialOutcome(
-            request=slot.request,
-            value=slot.curve[-1][1],
-            metrics={"device": str(worker.device)},
-            losses=[loss for _, loss, _ in slot.curve],
-            run_id=slot.run_id,
-            adapter_dir=None,
-            pack_id=pack_id,
-            tokens_per_second=stats.tokens_per_second,
-        )
-
-    def failed_outcome(self, slot, pack_id, reason, stats) -> TrialOutcome:
-        raise RuntimeError(reason)
-
-    def abandon(self, run_id: str) -> None: ...
-
-    def calibrate(self, worker, configs, step_seconds, peak_bytes) -> None:
-        self.observations.append(
-            {
-                "device": str(worker.device),
-                "adapters": len(configs),
-                "step_seconds": step_seconds,
-                "peak_gib": None if peak_bytes is None else peak_bytes / 2**30,
-                "predicted_step_seconds": worker.cost.step_seconds(configs),
-                "predicted_peak_gib": worker.cost.peak_memory(configs) / 2**30,
-            }
-        )
+    saved_scores = vars(evaluation).get("evaluate_adapters")
+    saved_export = worker_module.export_peft_adapter
+    saved_cache = os.environ.get("PLORA_HPO_CACHE")
+    evaluation.evaluate_adapters = _no_scores
+    worker_module.export_peft_adapter = _no_export
+    os.environ["PLORA_HPO_CACHE"] = str(calibration_root)
+    try:
+        yield
+    finally:
+        if saved_scores is None:
+            del evaluation.evaluate_adapters
+        else:
+            evaluation.evaluate_adapters = saved_scores
+        worker_module.export_peft_adapter = saved_export
+        if saved_cache is None:
+            os.environ.pop("PLORA_HPO_CACHE", None)
+        else:
+            os.environ["PLORA_HPO_CACHE"] = saved_cache
 
 
 def trials(n: int) -> list[AdapterConfig]:
@@ -158,55 +186,120 @@ def synchronize(devices: list[torch.device]) -> None:
             torch.cuda.synchronize(d)
 
 
-def run_on(devices: list[torch.device], args: argparse.Namespace) -> dict:
-    host = BenchHost(args)
-    workers = [DeviceWorker(host, d, f"{d}", replica=i) for i, d in enumerate(devices)]
-    for w in workers:
-        w.start()
-    configs = trials(2 * args.pack_size)
-    # the same trials once untimed: CUDA contexts, allocator pools and Triton autotuning of
-    # these pack layouts on every device
-    warm = [TrialTicket(TrialRequest("bench", 1000 + i, c)) for i, c in enumerate(configs)]
-    for t in warm:
-        host.inbox.put(t)
-    for t in warm:
-        t.wait()
-    synchronize(devices)
-    started = time.perf_counter()
-    tickets = [TrialTicket(TrialRequest("bench", i, c)) for i, c in enumerate(configs)]
+def observation(seg: PackSegment) -> dict:
+    """A calibrated composition as the old host recorded it: measured vs predicted per step."""
+    return {
+        "device": seg.device,
+        "adapters": len(seg.members),
+        "step_seconds": seg.measured_step_seconds,
+        "peak_gib": seg.measured_peak_gib,
+        "predicted_step_seconds": seg.predicted_step_seconds,
+        "predicted_peak_gib": seg.predicted_peak_gib,
+    }
+
+
+def run_tickets(pool: TrialPool, configs: list[AdapterConfig], first_number: int) -> list[TrialOutcome]:
+    tickets = [TrialTicket(TrialRequest(TASK, first_number + i, c)) for i, c in enumerate(configs)]
     for t in tickets:
-        host.inbox.put(t)
-    outcomes = [t.wait() for t in tickets]
-    synchronize(devices)
-    wall = time.perf_counter() - started
-    host.inbox.put(None)
-    for w in workers:
-        w.join()
+        pool.put(t)
+    outcomes = [t.wait() for t in tickets]  # a trial that met an error raises it here
+    failed = [o for o in outcomes if o.failed]
+    if failed:
+        raise RuntimeError(f"{len(failed)} trials failed, the first: {failed[0].fail_reason}")
+    return outcomes
+
+
+def run_on(devices: list[torch.device], args: argparse.Namespace) -> dict:
+    names = [f"{d}" if devices.count(d) == 1 else f"{d}#{i}" for i, d in enumerate(devices)]
+    bases = [load_base(args.model, d) for d in devices]
+    config = sweep_config(args, bases[0].name)
+    tasks = train_data(args.seq_len, bases[0].shape.vocab)
+    pool, reporter = TrialPool(), NullReporter()
+    pack_numbers, pack_lock = itertools.count(), threading.Lock()
+    origin = time.monotonic()
+
+    def pack_id(worker_name: str) -> str:
+        with pack_lock:
+            return f"pack-{next(pack_numbers)}@{worker_name}"
+
+    with tempfile.TemporaryDirectory(prefix="plora-multi-gpu-") as tmp, stand_ins(Path(tmp) / "cache"):
+        workers = [
+            DeviceWorker(
+                DeviceResources(device=d, name=name, base=base, eval_tasks={TASK: {}}, tasks=tasks, gpu=device_spec(d)),
+                config=config,
+                pool=pool,
+                admission=make_admission(config.pack.policy, solver=config.pack.solver),
+                reporter=reporter,
+                checkpoints=lambda task: CheckpointStore(Path(tmp) / "checkpoints" / task),
+                adapter_root=Path(tmp) / "adapters",
+                progress=PackProgress(),
+                pack_id=pack_id,
+                clock=lambda: time.monotonic() - origin,
+            )
+            for d, name, base in zip(devices, names, bases)
+        ]
+        for w in workers:
+            w.start()
+        try:
+            configs = trials(2 * args.pack_size)
+            # the same trials once untimed: CUDA contexts, allocator pools and Triton autotuning of
+            # these pack layouts on every device
+            run_tickets(pool, configs, 1000)
+            synchronize(devices)
+            started = time.perf_counter()
+            outcomes = run_tickets(pool, configs, 0)
+            synchronize(devices)
+            wall = time.perf_counter() - started
+        finally:
+            pool.close()
+            for w in workers:
+                w.join()
+    segments = list(reporter.segments)
+    pack_device = {s.pack_id: s.device for s in segments}
     tokens = sum(c.batch_size * args.seq_len * args.steps for c in configs)
     return {
         "devices": [str(d) for d in devices],
         "trials": len(configs),
         "wall_s": wall,
         "tokens_per_second": tokens / wall,
-        "trial_devices": {o.request.number: o.metrics["device"] for o in outcomes},
+        "trial_devices": {o.request.number: pack_device[o.pack_id] for o in outcomes},
         "packs": sorted({o.pack_id for o in outcomes}),
-        "final_losses": {o.request.number: o.value for o in outcomes},
-        "observations": host.observations,
+        "final_losses": {o.request.number: o.losses[-1] for o in outcomes},
+        "observations": [observation(s) for s in segments if s.steps >= CALIBRATION_STEPS + 1],
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="qwen2.5-1.5b", help="random-init shape")
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--pack-size", type=int, default=16)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, help="JSON path (default: $OUT, else the temp folder)")
+    parser.add_argument(
+        "--smoke", action="store_true", help="CPU check of the script: two workers, tiny model, 2×4 trials"
+    )
     args = parser.parse_args()
-    n = torch.cuda.device_count()
-    devices = [torch.device("cuda", i) for i in range(n)]
-    if not devices:  # a CPU smoke run of the script itself: two workers on the host
+    if args.smoke:
+        # the fewest steps after which a composition calibrates the cost model (and is reported)
+        args.model, args.seq_len, args.pack_size, args.steps = "tiny", 32, 4, CALIBRATION_STEPS + 1
+    if args.out is None:
+        folder = Path(os.environ.get("OUT") or tempfile.gettempdir())
+        args.out = folder / ("multi-gpu-smoke.json" if args.smoke else "multi-gpu.json")
+    if args.smoke and args.out.resolve().is_relative_to(RESULTS):
+        parser.error(f"--smoke writes no committed result; pass an --out outside {RESULTS}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.smoke:  # the CPU check: two workers on the host
         n, devices = 2, [torch.device("cpu"), torch.device("cpu")]
+    else:
+        n = torch.cuda.device_count()
+        devices = [torch.device("cuda", i) for i in range(n)]
+        if not devices:
+            sys.exit("multi_gpu.py: no CUDA device is visible; --smoke checks the script on the CPU")
     rows = [run_on(devices[:1], args)]
     if n > 1:
         rows.append(run_on(devices, args))
@@ -221,7 +314,7 @@ def main() -> None:
     }
     result = {
         "benchmark": "multi_gpu",
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (smoke run)",
+        "gpu": torch.cuda.get_device_name(0) if not args.smoke else "cpu (smoke run)",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -240,6 +333,7 @@ def main() -> None:
             f"{r['tokens_per_second']:10.0f}"
         )
     print(f"scaling {summary['scaling']}, efficiency {summary['efficiency']}, same losses {summary['same_losses']}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

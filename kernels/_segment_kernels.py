@@ -3,7 +3,7 @@
 With ``h = s·x·Aᵀ`` (per adapter, per token) and ``g = s·dy·B``:
 
 ===========  ===================  ==========================  ==========================
-kernel       reduces over         forward                     backward (DESIGN.md §2)
+kernel       reduces over         forward                     backward
 ===========  ===================  ==========================  ==========================
 shrink       hidden (d_in/d_out)  h = s·x·A_kᵀ                g = s·dy·B_k        (case 2)
 expand       rank (in one tile)   y = base + h·B_kᵀ           dx = g·A_k          (case 4)

@@ -92,7 +92,7 @@ def adapted_linear(
     y = None
     if _triton_wanted(x):
         try:
-            from plora_hpo.kernels.adapted_linear import adapted_linear_triton
+            from plora_hpo.kernels._adapted_linear import adapted_linear_triton
         except ImportError:  # Triton kernels not built yet or triton missing
             pass
         else:

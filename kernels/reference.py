@@ -47,7 +47,7 @@ def adapted_linear_reference(
 ) -> torch.Tensor:
     """``x·Wᵀ (+ bias) + packed_lora_reference(x, a_cat, b_cat, layout)`` for 2-D x, in x's dtype.
 
-    The oracle of :func:`plora_hpo.kernels.adapted_linear.adapted_linear_triton`; autograd adds
+    The oracle of :func:`plora_hpo.kernels._adapted_linear.adapted_linear_triton`; autograd adds
     the two gradients of x here, which is what the Triton path avoids.
     """
     return torch.nn.functional.linear(x, weight, bias) + packed_lora_reference(x, a_cat, b_cat, layout)

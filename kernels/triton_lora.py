@@ -1,7 +1,7 @@
 """Autograd entry points of the Triton packed-LoRA kernels.
 
 The engine calls :func:`packed_lora_add_triton` (through ``dispatch.packed_lora_add``) or
-:mod:`~plora_hpo.kernels.adapted_linear` (base layer included) on every adapted linear layer: a
+:mod:`~plora_hpo.kernels._adapted_linear` (base layer included) on every adapted linear layer: a
 shrink and an expand launch in the forward; in the backward an outer launch for dB, a shrink for
 ``g = s·dy·B`` and one outer launch that writes dA and dx together, or adds dx into a given
 buffer (``lora_backward(dx_into=...)``); per rank tile when the rank-branching kernels cannot
@@ -81,7 +81,7 @@ def lora_backward(
     dx_into: torch.Tensor | None = None,
     grads_into: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """dx, dA, dB (None where not needed), DESIGN.md §2 cases 1-4.
+    """dx, dA, dB (None where not needed), the four backward cases (dB, d(xAᵀ), dA, dx).
 
     With ``dx_into`` (shaped like x, e.g. the base layer's ``dy·W``) the adapters' dx is added
     into it on adapter rows, other rows untouched, and it is returned as dx: no separate dx

@@ -12,8 +12,12 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from plora_hpo.errors import PloraError
+
+if TYPE_CHECKING:
+    from plora_hpo.config import SweepConfig
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -72,23 +76,11 @@ def default_storage(run_dir: Path) -> str:
 
 
 def run_sweep(args: argparse.Namespace) -> int:
-    from optuna.trial import TrialState
-
-    from plora_hpo.checkpoints import CheckpointStore
+    """Check the inputs, take the run directory, run the sweep in it."""
     from plora_hpo.config import load_sweep
+    from plora_hpo.ownership import RunDirOwner
     from plora_hpo.preflight import check_sweep_inputs
-    from plora_hpo.progress import RichPackProgress
-    from plora_hpo.report import print_summary
-    from plora_hpo.run_state import RunState, check_resumable
-    from plora_hpo.study import (
-        PackedObjective,
-        create_study,
-        default_n_trials,
-        finished_trials,
-        run_waiting_trials,
-    )
-    from plora_hpo.sweep import PackedSweep, checkpoint_dir
-    from plora_hpo.tracking import SweepTracker, default_tracking_uri
+    from plora_hpo.study import default_n_trials
 
     config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
     n_trials = default_n_trials(config)
@@ -102,6 +94,35 @@ def run_sweep(args: argparse.Namespace) -> int:
         mlflow_uri=args.mlflow_uri,
         storage=args.storage,
     )
+    run_dir_existed = run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    owner = RunDirOwner(run_dir)  # a second sweep on a live run directory stops here
+    try:
+        owner.acquire()
+    except BaseException:
+        if not run_dir_existed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    try:
+        return _run_owned_sweep(args, config, n_trials, run_dir, run_dir_existed)
+    finally:
+        owner.release()
+
+
+def _run_owned_sweep(
+    args: argparse.Namespace, config: SweepConfig, n_trials: int, run_dir: Path, run_dir_existed: bool
+) -> int:
+    """The sweep in a run directory this process owns: stores, recovery, trials, summary."""
+    from optuna.trial import TrialState
+
+    from plora_hpo.checkpoints import CheckpointStore
+    from plora_hpo.progress import RichPackProgress
+    from plora_hpo.report import print_summary
+    from plora_hpo.run_state import RunState, check_resumable
+    from plora_hpo.study import PackedObjective, create_study, finished_trials, run_waiting_trials
+    from plora_hpo.sweep import PackedSweep, checkpoint_dir
+    from plora_hpo.tracking import SweepTracker, default_tracking_uri
+
     saved = check_resumable(run_dir, config, resume=args.resume)
     for task in config.tasks:  # a corrupt checkpoint stops the rerun before anything starts
         CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
@@ -110,20 +131,17 @@ def run_sweep(args: argparse.Namespace) -> int:
 
     progress = RichPackProgress()
     with progress:
-        progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
-        sweep = PackedSweep(
-            config, tracker=tracker, run_dir=run_dir, data_dir=args.data_dir, device=args.device, progress=progress
-        )
-        if len(sweep.workers) > 1:
-            progress.note(
-                f"{len(sweep.workers)} devices: packs of degree 1 run concurrently, one per device "
-                "(multi-GPU packs are planned by `plora-hpo plan`, not executed yet)"
+        try:  # until the stores exist, a failure leaves no run directory behind that was not there
+            progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
+            sweep = PackedSweep(
+                config, tracker=tracker, run_dir=run_dir, data_dir=args.data_dir, device=args.device, progress=progress
             )
-        run_dir_existed = run_dir.exists()
-        try:  # the first writes: the stores; undone if either cannot be opened
-            run_dir.mkdir(parents=True, exist_ok=True)
+            progress.note(
+                f"packs chosen by the {config.pack.policy} policy on {len(sweep.workers)} device(s)"
+                + (" (degree 1: one pack per device)" if len(sweep.workers) > 1 else "")
+            )
             tracker.check_reachable()
-            # this process owns the studies: trials left RUNNING by a killed run are retried
+            # this process owns the run directory: trials left RUNNING by a killed run are retried
             studies = {task: create_study(config, task, storage, recover_stale=True) for task in config.tasks}
         except BaseException:
             if not run_dir_existed:
@@ -163,10 +181,29 @@ def run_sweep(args: argparse.Namespace) -> int:
     print_summary(
         studies, wall_seconds=time.perf_counter() - started, storage=storage, tracking_uri=tracker.tracking_uri
     )
+    line = pack_record_line(sweep.pack_segments, run_dir)
+    if line is not None:
+        print(line)
     note = tracker.delivery_note()
     if note is not None:
         print(note)
     return 0
+
+
+def pack_record_line(segments: list, run_dir: Path) -> str | None:
+    """One line on the packs that ran: how many, who chose them, how good the step-time predictions were."""
+    from plora_hpo.pack_record import summarise
+
+    if not segments:
+        return None
+    s = summarise(segments)
+    ratio = s["measured_over_predicted_step_median"]
+    fit = f"; measured ÷ predicted step time, median {ratio:.2f}" if ratio is not None else ""
+    return (
+        f"packs: {s['packs']} packs in {s['segments']} compositions, chosen by {', '.join(s['policies'])} "
+        f"({', '.join(s['solvers']) or 'no solver'}; slowest decision {s['plan_seconds_max']:.3f} s){fit}; "
+        f"record and Gantt chart in {run_dir / 'packs'}"
+    )
 
 
 def run_results(args: argparse.Namespace) -> int:

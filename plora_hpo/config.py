@@ -7,8 +7,10 @@ hyperparameter search space (see :mod:`plora_hpo.space`).
 
 from __future__ import annotations
 
+import difflib
+import types
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -41,6 +43,12 @@ class ParamSpec(_Strict):
                 raise ValueError("'choices' is empty")
             if any(c <= 0 for c in self.choices):
                 raise ValueError(f"every choice must be > 0, got {self.choices}")
+            for value in dict.fromkeys(self.choices):  # a repeated grid value would train the same trials twice
+                count = self.choices.count(value)
+                if count > 1:
+                    times = "twice" if count == 2 else f"{count} times"
+                    shown = int(value) if value == int(value) else value
+                    raise ValueError(f"choice {shown} appears {times}; list each value once")
         elif self.low > self.high:
             raise ValueError(f"low ({self.low}) is above high ({self.high})")
         return self
@@ -51,7 +59,7 @@ class ParamSpec(_Strict):
 
 
 class SpaceSpec(_Strict):
-    """The four LoRA hyperparameters. Alpha is ``alpha_multiplier × rank`` (DESIGN.md §4)."""
+    """The four LoRA hyperparameters. Alpha is ``alpha_multiplier × rank``, so one grid spans r/4 … 4r at every rank."""
 
     rank: ParamSpec = Field(description="LoRA rank r; ranges are sampled as integers.")
     alpha_multiplier: ParamSpec = Field(description="alpha = multiplier × rank (r/4 → 0.25, 4r → 4).")
@@ -98,6 +106,14 @@ class PackSpec(_Strict):
     """How trials are grouped into packs that train together."""
 
     size: int = Field(4, gt=0, description="Most adapters trained together in one pack.")
+    policy: Literal["planner", "fifo"] = Field(
+        "planner",
+        description="Who decides which waiting trials join a pack: the planner's pack ILP over the calibrated "
+        "cost model (longest-running first), or arrival order (fifo).",
+    )
+    solver: Literal["auto", "gurobi", "highs"] = Field(
+        "auto", description="ILP solver for the planner: gurobipy (size-limited pip license), HiGHS, or auto."
+    )
     gather_seconds: float = Field(
         2.0, ge=0, description="How long study.optimize waits for concurrent trials before a pack starts."
     )
@@ -121,13 +137,25 @@ class TrainSpec(_Strict):
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float | None = Field(1.0, gt=0, description="Per-adapter gradient clipping; null = off.")
     use_rslora: bool = False
-    checkpoint_every: int = Field(
-        100,
+    checkpoint_every: int | None = Field(
+        None,
         gt=0,
         description="Save every adapter's weights, AdamW state and data position every N of its steps; "
-        "a rerun after a crash resumes in-flight trials from there. Each save writes 12 bytes per LoRA "
+        "a rerun after a crash resumes in-flight trials from there. null = automatic: a quarter of each "
+        "trial's steps, so every trial is saved about four times. Each save writes 12 bytes per LoRA "
         "parameter (a rank-64 adapter on all projections of a 1.5B model: ~0.9 GB).",
     )
+
+    def checkpoint_interval(self, total_steps: int) -> int:
+        """Steps between two checkpoints of an adapter that trains ``total_steps`` steps.
+
+        An explicit ``checkpoint_every`` is used as given. Otherwise the interval follows the work:
+        a quarter of the trial (at least one step), so a short trial such as the 30-step demo is
+        still saved a few times and a long one does not pay for a save every few steps.
+        """
+        if self.checkpoint_every is not None:
+            return self.checkpoint_every
+        return max(1, total_steps // 4)
 
 
 class PruningSpec(_Strict):
@@ -193,20 +221,62 @@ class SweepConfig(_Strict):
         return self
 
 
+def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
+    """The settings model whose keys sit at ``loc`` (``()`` → :class:`SweepConfig`), or None."""
+    model: type[BaseModel] = SweepConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        candidates = [field.annotation]
+        if get_origin(field.annotation) in (Union, types.UnionType):
+            candidates = list(get_args(field.annotation))
+        nested = [c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)]
+        if not nested:
+            return None
+        model = nested[0]
+    return model
+
+
+def _unknown_key_message(loc: tuple[str, ...]) -> tuple[str, str | None]:
+    """``unknown key 'a.b'; <fix>`` for an unknown key, and the known key it most likely misspells."""
+    where = ".".join(loc)
+    model = _model_at(loc[:-1])
+    known = list(model.model_fields) if model is not None else []
+    close = difflib.get_close_matches(loc[-1], known, n=1)
+    if close:
+        return f"unknown key {where!r}; did you mean {close[0]!r}?", close[0]
+    listed = f" (keys here: {', '.join(known)})" if known else ""
+    return f"unknown key {where!r}; remove it or check its spelling{listed}", None
+
+
 def _format_validation_error(path: Path, err: ValidationError, flags: dict[tuple, str] | None = None) -> str:
-    """``<file>: <key path>: <problem>; <fix>``, or ``<--flag>: <problem>; <fix>`` for a bad CLI override."""
-    first = err.errors()[0]
+    """``<file>: <key path>: <problem>; <fix>``, or ``<--flag>: <problem>; <fix>`` for a bad CLI override.
+
+    One line for the first problem; an unknown key comes first, since a misspelled key usually
+    also causes the "missing" error of the key it was meant to be (which is then not repeated).
+    Further problems are named by key path at the end so none stays hidden.
+    """
+    errors = sorted(err.errors(), key=lambda e: e["type"] != "extra_forbidden")
+    first = errors[0]
     loc = tuple(str(p) for p in first["loc"])
     where = ".".join(loc) or "(top level)"
     message = first["msg"].removeprefix("Value error, ")
-    extra = f" (+{err.error_count() - 1} more problems)" if err.error_count() > 1 else ""
+    rest = errors[1:]
+    if first["type"] == "extra_forbidden":
+        message, meant = _unknown_key_message(loc)
+        if meant is not None:  # the misspelling is why the key it was meant to be is missing
+            rest = [e for e in rest if not (e["type"] == "missing" and tuple(map(str, e["loc"])) == (*loc[:-1], meant))]
+    others = list(dict.fromkeys(".".join(map(str, e["loc"])) or "(top level)" for e in rest))
+    shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+    extra = f" (+{len(rest)} more {'problem' if len(rest) == 1 else 'problems'}: {shown})" if rest else ""
     flag = (flags or {}).get(loc)
     if flag is not None:
         fix = f"pass a positive {flag}" if first["type"] in ("greater_than", "greater_than_equal") else f"fix {flag}"
         return f"{flag}: {message} (got {first.get('input')!r}); {fix}{extra}"
     if first["type"] == "extra_forbidden":
-        message = "unknown key; remove it or check its spelling"
-    elif first["type"] == "missing":
+        return f"{path}: {message}{extra}"
+    if first["type"] == "missing":
         message = f"required key is missing; add it to {path.name} (see search_spaces/demo.yaml)"
     elif ";" not in message:  # pydantic's own messages name the problem only
         message = f"{message}; fix {where} in {path.name}"

@@ -1,12 +1,16 @@
 """Preflight: check a sweep's command-line inputs before anything loads or is written.
 
 The sweep file itself is validated by :mod:`plora_hpo.config`; this checks what the command line
-adds (device, model, data directory, tracking and storage URLs), reading only, so that a bad
-value stops the run in about a second with one clear line instead of after the model loads.
+adds (run directory, device, model, data directory, tracking and storage URLs) without leaving
+anything behind, so that a bad value stops the run in about a second with one clear line instead
+of after the model loads.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import tempfile
 from pathlib import Path
 
 from plora_hpo.config import SweepConfig
@@ -26,12 +30,14 @@ def check_sweep_inputs(
 ) -> None:
     """Check a sweep's command-line inputs before anything loads or is written; one-line errors.
 
-    Device, base model (a missing folder, an unknown hub id offline), data directory and task files,
-    the MLflow tracking URI and the Optuna storage URL. Reads only: stores inside ``run_dir`` (the
-    defaults) do not exist yet and are not checked here.
+    Run directory (it, or the folder it would be created in, must be writable), device, base model
+    (a missing folder, an unknown hub id offline), data directory and task files, the MLflow
+    tracking URI and the Optuna storage URL. Leaves nothing behind: the run directory is not
+    created, and stores inside ``run_dir`` (the defaults) do not exist yet and are not checked here.
     """
     from plora_hpo.errors import DataError
 
+    check_run_dir_writable(run_dir)
     _check_device(device)
     _check_model(config.model)
     real_tasks = [t for t in config.tasks if t != "synthetic"]
@@ -53,6 +59,42 @@ def check_sweep_inputs(
         _check_mlflow_uri(mlflow_uri, run_dir)
     if storage is not None:
         _check_storage(storage, run_dir)
+
+
+_READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)
+
+
+def check_run_dir_writable(run_dir: Path) -> None:
+    """Fail with one line when the sweep could not create or write ``run_dir``.
+
+    Checks the run directory if it exists, else the nearest folder above it that does (where it
+    would be created). ``os.access`` alone is not enough: it says yes to root on a read-only
+    mount, so a temporary file is also created there and deleted at once. A regular file in
+    the way (the run directory itself, or one of its parents) is reported the same way, since
+    no one can create folders inside it.
+    """
+    from plora_hpo.errors import PloraError
+
+    def fail(reason: str) -> PloraError:
+        return PloraError(f"--run-dir {run_dir} is not writable ({reason}); pass a writable --run-dir")
+
+    folder = Path(os.path.abspath(run_dir.expanduser()))
+    while not folder.exists() and folder != folder.parent:
+        if folder.is_symlink():  # a dangling link: mkdir cannot create its target
+            raise fail(f"{folder} is a broken symbolic link")
+        folder = folder.parent
+    if not folder.is_dir():
+        raise fail(f"{folder} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise fail("read-only or permission denied")
+    try:
+        handle, probe = tempfile.mkstemp(prefix=".plora-write-check-", dir=folder)
+        os.close(handle)
+        os.unlink(probe)
+    except OSError as err:
+        raise fail(
+            "read-only or permission denied" if err.errno in _READ_ONLY else err.strerror or type(err).__name__
+        ) from None
 
 
 def _check_device(device: str | None) -> None:

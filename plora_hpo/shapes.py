@@ -46,7 +46,7 @@ class ModelShape:
         return dims[module]
 
     def decoder_linear_params(self) -> int:
-        """Weights of all decoder projections (the 4·P·tokens FLOP count of DESIGN.md §6)."""
+        """Weights of all decoder projections (P in the 4·P·tokens FLOP count of a LoRA training step)."""
         per_layer = sum(a * b for a, b in (self.linear_dims(m) for m in TARGET_MODULES))
         return per_layer * self.layers
 

@@ -6,6 +6,7 @@ Optuna parameter names are the sweep file's keys (``rank``, ``alpha_multiplier``
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 from typing import Any
@@ -59,8 +60,7 @@ class SearchSpace:
         return size
 
     def suggest(self, trial: Any) -> AdapterConfig:
-        """Ask an Optuna trial for one config. A retry of a crashed trial (user attr ``lineage``)
-        gets its predecessor's seed, so it reproduces the same initialisation and data order."""
+        """Ask an Optuna trial for one config, seeded by its hyperparameters (:meth:`config_seed`)."""
         params: dict[str, Any] = {}
         for name, p in self._params():
             if p.is_categorical:
@@ -70,12 +70,15 @@ class SearchSpace:
                 params[name] = trial.suggest_int(name, int(p.low), int(p.high), log=p.log)
             else:
                 params[name] = trial.suggest_float(name, p.low, p.high, log=p.log)
-        lineage = getattr(trial, "user_attrs", {}).get("lineage", trial.number)
-        return self.to_config(params, seed=self.trial_seed(lineage))
+        return self.to_config(params, seed=self.config_seed(params))
 
-    def trial_seed(self, trial_number: int) -> int:
-        """Each trial gets its own seed (init and data order), derived from the sweep seed."""
-        return self.seed * 100_003 + trial_number
+    def config_seed(self, params: dict[str, Any]) -> int:
+        """The seed of a config's initialisation and data order: the sweep seed and the
+        hyperparameters, never the trial number, so a config trains the same whichever trial
+        gets it — after a crash and resume as in an uninterrupted sweep."""
+        key = ";".join(f"{name}={float(params[name])!r}" for name in sorted(params))
+        digest = hashlib.sha256(f"{self.seed}|{key}".encode()).digest()
+        return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
     def to_config(self, params: dict[str, Any], *, seed: int) -> AdapterConfig:
         rank = int(params["rank"])
@@ -96,7 +99,7 @@ class SearchSpace:
         else:
             rng = random.Random(self.seed)
             points = [self._draw(rng) for _ in range(n_samples or 120)]
-        return [self.to_config(p, seed=self.trial_seed(i)) for i, p in enumerate(points)]
+        return [self.to_config(p, seed=self.config_seed(p)) for p in points]
 
     def _draw(self, rng: random.Random) -> dict[str, Any]:
         import math
@@ -112,15 +115,3 @@ class SearchSpace:
             if name in _INTEGER_PARAMS:
                 point[name] = round(point[name])
         return point
-
-    def contains(self, params: dict[str, Any]) -> bool:
-        """Whether a point (e.g. the reference trial) lies inside this space."""
-        for name, p in self._params():
-            value = params.get(name)
-            if value is None:
-                return False
-            if p.is_categorical and not any(abs(value - c) <= 1e-12 * abs(c) for c in p.choices):
-                return False
-            if not p.is_categorical and not (p.low <= value <= p.high):
-                return False
-        return True

@@ -270,7 +270,11 @@ class SweepTracker:
 
     def log_adapter(self, run_id: str, adapter_dir: Path) -> None:
         """The PEFT adapter directory becomes the run's ``adapter/`` artifact."""
-        self._submit(_Op("artifacts", run_id, {"path": str(adapter_dir), "artifact_path": "adapter"}))
+        self.log_folder(run_id, adapter_dir, "adapter")
+
+    def log_folder(self, run_id: str, folder: Path, artifact_path: str) -> None:
+        """Every file of ``folder`` becomes an artifact of the run under ``artifact_path``."""
+        self._submit(_Op("artifacts", run_id, {"path": str(folder), "artifact_path": artifact_path}))
 
     def end_trial(self, run_id: str, status: str = "FINISHED") -> None:
         self._submit(_Op("terminate", run_id, {"status": status, "end_time": _now_ms()}))
@@ -557,7 +561,7 @@ class SweepTracker:
             if Path(p["path"]).is_dir():
                 store.log_artifacts(run_id, p["path"], artifact_path=p["artifact_path"])
             else:
-                log.warning("adapter %s is gone; not copied to the fallback store", p["path"])
+                log.warning("artifact folder %s is gone; not copied to the fallback store", p["path"])
         elif op.kind == "terminate":
             store.set_terminated(run_id, status=p["status"], end_time=p["end_time"])
 

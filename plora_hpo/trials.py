@@ -1,4 +1,5 @@
-"""What flows between the study layer and the device workers: requests, tickets, outcomes.
+"""What flows between the study layer and the device workers: requests, tickets, outcomes, and
+the pool of trials proposed but not yet training.
 
 Kept free of Optuna, MLflow and lm-eval so that the workers (and the GPU benchmarks that drive
 them) import with torch alone.
@@ -7,7 +8,8 @@ them) import with torch alone.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,7 +55,8 @@ class TrialRequest:
 
     @property
     def adapter_id(self) -> str:
-        return f"{self.task}-t{self.number}"
+        """The adapter's name (folder, MLflow run, pack member): a retry keeps its lineage's."""
+        return f"{self.task}-t{self.lineage}"
 
 
 @dataclass
@@ -110,3 +113,94 @@ class TrialTicket:
 
 class TrialInterrupted(Exception):
     """A trial was queued or training when the sweep closed; its checkpoint lets a rerun resume it."""
+
+
+class PoolClosed(Exception):
+    """The sweep is closing: no more trials will be handed out."""
+
+
+class TrialPool:
+    """Trials proposed and not yet training, shared by every device worker.
+
+    Workers do not pop in arrival order: each hands the whole waiting list to its admission
+    policy and takes the trials it chose (:meth:`take`), atomically, so two workers never take
+    one trial. :attr:`version` counts changes, so a worker re-plans only when the pool changed.
+    """
+
+    def __init__(self) -> None:
+        self._waiting: list[TrialTicket] = []
+        self._cond = threading.Condition()
+        self._closed = False
+        self._idle = 0
+        self.version = 0
+
+    @property
+    def idle_workers(self) -> int:
+        """Workers blocked in :meth:`wait` right now (devices waiting for trials)."""
+        with self._cond:
+            return self._idle
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._waiting)
+
+    def put(self, ticket: TrialTicket) -> None:
+        with self._cond:
+            if self._closed:
+                ticket.fail(TrialInterrupted(f"{ticket.request.adapter_id}: the sweep stopped before it started"))
+                return
+            self._waiting.append(ticket)
+            self.version += 1
+            self._cond.notify_all()
+
+    def wait(self, *, at_least: int = 1, timeout: float | None = None) -> int:
+        """Block until ``at_least`` trials wait or ``timeout`` passes; returns how many wait.
+
+        Raises:
+            PoolClosed: the sweep is closing.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while not self._closed and len(self._waiting) < at_least:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._idle += 1
+                try:
+                    self._cond.wait(left)
+                finally:
+                    self._idle -= 1
+            if self._closed:
+                raise PoolClosed
+            return len(self._waiting)
+
+    def take(self, choose: Callable[[Sequence[TrialTicket]], Sequence[int]]) -> list[TrialTicket]:
+        """Remove and return the waiting tickets ``choose`` picks (indices into the waiting list).
+
+        Raises:
+            PoolClosed: the sweep is closing.
+        """
+        with self._cond:
+            if self._closed:
+                raise PoolClosed
+            if not self._waiting:
+                return []
+            picked = list(dict.fromkeys(choose(list(self._waiting))))
+            taken = [self._waiting[i] for i in picked]
+            for i in sorted(picked, reverse=True):
+                del self._waiting[i]
+            if taken:
+                self.version += 1
+            return taken
+
+    def close(self) -> list[TrialTicket]:
+        """Stop handing out trials; returns (and forgets) the ones still waiting."""
+        with self._cond:
+            self._closed = True
+            left, self._waiting = self._waiting, []
+            self._cond.notify_all()
+            return left
+
+    def reopen(self) -> None:
+        with self._cond:
+            self._closed = False

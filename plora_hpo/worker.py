@@ -1,38 +1,50 @@
 """One device's training loop: packs that trials join when there is room and leave when done.
 
-A :class:`DeviceWorker` owns a replica of the frozen base model on its device and serves the
-sweep's queue of trial requests. A pack starts with the trials that arrive within
-``pack.gather_seconds``; after that, every step boundary admits waiting trials while the pack
-has room (``pack.size`` and the cost model's memory estimate), so the slot of a finished,
-pruned or failed adapter trains the next proposed trial without restarting the pack.
+A :class:`DeviceWorker` owns a replica of the frozen base model on its device
+(:class:`~plora_hpo.resources.DeviceResources`) and serves the sweep's
+:class:`~plora_hpo.trials.TrialPool`. Which waiting trials join is its
+:class:`~plora_hpo.admission.AdmissionPolicy`'s decision (the planner's pack ILP by default),
+asked when a pack starts (after waiting up to ``pack.gather_seconds`` for proposals) and again
+whenever the pack's membership or the pool changed, so the slot of a finished, pruned or failed
+adapter trains the trial the policy picks without restarting the pack.
 
-Per step the worker also: checkpoints adapters every ``train.checkpoint_every`` of their steps;
-scores adapters on a slice of the eval set every ``pruning.interval`` steps and asks their
-trial whether to stop; evaluates, exports and logs adapters that finished. A step that runs out
-of device memory is undone and the pack split: the adapters that still fit (by the corrected
+Per step the worker also: checkpoints adapters a few times over their steps
+(``train.checkpoint_every``); scores adapters on a slice of the eval set every
+``pruning.interval`` steps and asks their trial whether to stop; evaluates, exports and reports
+adapters that finished; feeds warm step times back into its cost model. A step that runs out of
+device memory is undone and the pack split: the adapters that still fit (by the corrected
 memory estimate) train on, the others wait in host memory and rejoin when room frees up.
+
+Everything the worker tells the outside goes through its reporter, progress hooks and trial
+tickets; it never calls back into the sweep that built it.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plora_hpo.engine import AdapterJob, PackedLoraModel, PackedTrainer, StepReport
+from plora_hpo.admission import AdmissionPolicy, Candidate, Room
+from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
+from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.engine.resume import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.errors import CheckpointError
-from plora_hpo.trials import TrialInterrupted
+from plora_hpo.reporting import PackSegment, TrialReporter
+from plora_hpo.resources import DeviceResources, total_steps
+from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
 
 if TYPE_CHECKING:
-    from plora_hpo.sweep import PackedSweep
-    from plora_hpo.trials import TrialOutcome, TrialRequest, TrialTicket
+    from plora_hpo.checkpoints import CheckpointStore
+    from plora_hpo.config import SweepConfig
+    from plora_hpo.engine import PackStats
+    from plora_hpo.trials import TrialRequest, TrialTicket
 
 log = logging.getLogger(__name__)
 LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device memory
@@ -55,35 +67,69 @@ class _Slot:
 
 
 class DeviceWorker:
-    """Trains the sweep's trials on one device, one continuously refilled pack at a time."""
+    """Trains the pool's trials on one device, one continuously refilled pack at a time.
 
-    def __init__(self, sweep: PackedSweep, device: torch.device, name: str, *, replica: int) -> None:
+    Args:
+        resources: the device, its base replica, task data and eval tasks.
+        config: the sweep settings (pack size, budget, training, evaluation, pruning).
+        pool: where proposed trials wait.
+        admission: decides which waiting trials join a pack.
+        reporter: where trial runs and pack decisions are recorded.
+        checkpoints: a task's checkpoint store.
+        adapter_root: where finished adapters are exported (one folder per adapter id).
+        progress: front-end hooks.
+        pack_id: a new pack id for this worker's name (unique across the sweep's workers).
+        clock: seconds since the sweep started (pack segments are stamped with it).
+    """
+
+    def __init__(
+        self,
+        resources: DeviceResources,
+        *,
+        config: SweepConfig,
+        pool: TrialPool,
+        admission: AdmissionPolicy,
+        reporter: TrialReporter,
+        checkpoints: Callable[[str], CheckpointStore],
+        adapter_root: Path,
+        progress: PackProgress,
+        pack_id: Callable[[str], str],
+        clock: Callable[[], float],
+    ) -> None:
         from plora_hpo.planner import CostModel, Workload, load_calibration
         from plora_hpo.planner.model_names import shape_name_of
 
-        self.sweep = sweep
-        self.device = device
-        self.name = name
-        self.base = sweep.base_on(device, replica)
-        self.packed = PackedLoraModel(self.base.model, sweep.config.target_modules)
-        self.eval_tasks = sweep.eval_tasks_for(replica)  # lm-eval tasks hold per-run state: one set each
-        self.gpu = sweep.device_spec(device)
+        self.resources = resources
+        self.config = config
+        self.pool = pool
+        self.admission = admission
+        self.reporter = reporter
+        self.checkpoints = checkpoints
+        self.adapter_root = adapter_root
+        self.progress = progress
+        self.new_pack_id = pack_id
+        self.clock = clock
+        self.device = resources.device
+        self.name = resources.name
+        self.base = resources.base
+        self.gpu = resources.gpu
+        self.packed = PackedLoraModel(self.base.model, config.target_modules)
         shape_name = shape_name_of(self.base.shape)
         self.cost = CostModel(
             Workload(
                 self.base.shape,
-                sweep.config.seq_len,
-                tuple(sweep.config.target_modules),
+                config.seq_len,
+                tuple(config.target_modules),
                 self.dtype_bytes(),
-                checkpointing=sweep.config.pack.activation_checkpointing,
-                micro_batch_tokens=sweep.config.pack.micro_batch_tokens,
+                checkpointing=config.pack.activation_checkpointing,
+                micro_batch_tokens=config.pack.micro_batch_tokens,
             ),
             self.gpu,
             load_calibration(shape_name, self.gpu.name) if shape_name else None,
         )
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         self.parked: deque[tuple[TrialTicket, AdapterState | None]] = deque()  # waiting to (re)join
-        self._thread = threading.Thread(target=self._serve, name=f"plora-{name}", daemon=True)
+        self._thread = threading.Thread(target=self._serve, name=f"plora-{self.name}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
@@ -94,6 +140,18 @@ class DeviceWorker:
     def dtype_bytes(self) -> int:
         return next(self.base.model.parameters()).element_size()
 
+    def total_steps(self, request: TrialRequest) -> int:
+        return total_steps(self.config.budget, request.config, len(self.resources.tasks[request.task].examples))
+
+    def optimizer_settings(self) -> OptimizerSettings:
+        t = self.config.train
+        return OptimizerSettings(
+            lr_schedule=t.lr_schedule,
+            warmup_ratio=t.warmup_ratio,
+            weight_decay=t.weight_decay,
+            max_grad_norm=t.max_grad_norm,
+        )
+
     # --- admission --------------------------------------------------------------------------
     @property
     def memory_limit(self) -> float:
@@ -103,39 +161,36 @@ class DeviceWorker:
         return self.memory_correction * self.cost.peak_memory(configs)
 
     def fits(self, configs: list[Any]) -> bool:
-        return len(configs) <= self.sweep.config.pack.size and self.predicted_memory(configs) <= self.memory_limit
+        return len(configs) <= self.config.pack.size and self.predicted_memory(configs) <= self.memory_limit
 
-    def _next_ticket(self, timeout: float | None) -> TrialTicket | None:
-        """The next trial from the sweep's queue; None: nothing came within ``timeout``."""
-        try:
-            ticket = self.sweep.inbox.get(timeout=timeout) if timeout != 0 else self.sweep.inbox.get_nowait()
-        except queue.Empty:
-            return None
-        if ticket is None:  # shutdown: pass it on to the other workers
-            self.sweep.inbox.put(None)
-            raise _Shutdown
-        return ticket
+    def room(self, members: list[Any], *, idle_peers: int = 0) -> Room:
+        """The device's room for a pack holding ``members`` (in the cost model's units)."""
+        return Room(
+            members=tuple(members),
+            free_slots=max(0, self.config.pack.size - len(members)),
+            idle_peers=idle_peers,
+            memory_limit=self.memory_limit / self.memory_correction,
+            cost_model=self.cost,
+        )
 
     def _serve(self) -> None:
         if self.device.type == "cuda":  # Triton launches on the thread's current device
             torch.cuda.set_device(self.device)
         while True:
-            try:
-                first = self._next_ticket(timeout=None)
-            except _Shutdown:
-                return
-            assert first is not None
-            self.parked.append((first, None))
-            while self.parked:
+            if not self.parked:
                 try:
-                    _Pack(self).run()
-                except _Shutdown:
-                    self._interrupt_parked()
+                    self.pool.wait()
+                except PoolClosed:
                     return
-                except BaseException as err:  # a pack that could not start: its waiting trials get the error
-                    log.exception("%s: a pack failed to start", self.name)
-                    while self.parked:
-                        self.parked.popleft()[0].fail(err)
+            try:
+                _Pack(self).run()
+            except _Shutdown:
+                self._interrupt_parked()
+                return
+            except BaseException as err:  # a pack that could not start: its waiting trials get the error
+                log.exception("%s: a pack failed to start", self.name)
+                while self.parked:
+                    self.parked.popleft()[0].fail(err)
 
     def _interrupt_parked(self) -> None:
         """The sweep is closing: trials waiting for room keep their state for a rerun."""
@@ -143,7 +198,7 @@ class DeviceWorker:
             ticket, state = self.parked.popleft()
             request = ticket.request
             if state is not None:
-                self.sweep.checkpoints(request.task).save(
+                self.checkpoints(request.task).save(
                     request.lineage, state, {"run_id": request.run_id or "", "adapter_id": request.adapter_id}
                 )
             ticket.fail(TrialInterrupted(f"{request.adapter_id}: the sweep stopped; a rerun resumes it"))
@@ -158,12 +213,12 @@ class _Pack:
 
     def __init__(self, worker: DeviceWorker) -> None:
         self.worker = worker
-        self.sweep = worker.sweep
-        self.config = worker.sweep.config
-        self.pack_id = worker.sweep.next_pack_id(worker.name)
+        self.config = worker.config
+        self.reporter = worker.reporter
+        self._pack_id: str | None = None
         self.trainer = PackedTrainer(
             worker.packed,
-            settings=self.sweep.optimizer_settings(),
+            settings=worker.optimizer_settings(),
             pad_id=worker.base.tokenizer.pad_token_id,
             device=worker.device,
             micro_batch_tokens=self.config.pack.micro_batch_tokens,
@@ -172,6 +227,17 @@ class _Pack:
         self.slots: dict[str, _Slot] = {}
         self.packed_steps = 0
         self._stable_since = 0  # index into stats.step_seconds where the composition last changed
+        self._composition = 0  # bumped on every join or leave
+        self._planned_for: tuple[int, int] | None = None  # (pool version, composition) last planned for
+        self._segment: PackSegment | None = None
+        self._joined: list[str] = []
+
+    @property
+    def pack_id(self) -> str:
+        """Taken when the first trial joins, so packs that found nothing to train use no id."""
+        if self._pack_id is None:
+            self._pack_id = self.worker.new_pack_id(self.worker.name)
+        return self._pack_id
 
     # --- membership -------------------------------------------------------------------------
     def _configs(self, extra: Any = None) -> list[Any]:
@@ -189,38 +255,54 @@ class _Pack:
         self.worker.parked = kept
 
     def admit(self, *, gather_seconds: float = 0.0) -> None:
-        """Parked trials first; then queued ones while the pack has room (waiting up to
-        ``gather_seconds`` for more when the pack is just starting)."""
+        """Parked trials first; then the ones the admission policy picks from the pool.
+
+        A starting pack first waits up to ``gather_seconds`` for the pool to hold a full pack.
+        The room it offers names the other devices waiting for trials, so the policy can share
+        the pool among them. The policy is asked again only when the pool
+        or the pack's membership changed.
+        """
         self._admit_parked()
-        if self.worker.parked:  # the ones that were here first do not fit yet: queue stays
+        if self.worker.parked:  # the ones that were here first do not fit yet: they go first
             return
-        deadline = time.monotonic() + gather_seconds
-        while len(self.slots) < self.config.pack.size:
-            ticket = self.worker._next_ticket(timeout=max(0.0, deadline - time.monotonic()))
-            if ticket is None:
+        free = self.config.pack.size - len(self.slots)
+        if free <= 0:
+            return
+        try:
+            if gather_seconds > 0:
+                self.worker.pool.wait(at_least=free, timeout=gather_seconds)
+            if self._planned_for == (self.worker.pool.version, self._composition):
                 return
-            if self.slots and not self.worker.fits(self._configs(ticket.request.config)):
-                self.worker.parked.append((ticket, None))
-                return
+            room = self.worker.room(self._configs(), idle_peers=self.worker.pool.idle_workers)
+            policy = self.worker.admission
+            tickets = self.worker.pool.take(
+                lambda waiting: policy.select(
+                    [Candidate(t.request.config, self.worker.total_steps(t.request)) for t in waiting], room
+                )
+            )
+        except PoolClosed:
+            raise _Shutdown from None
+        for ticket in tickets:
             self._join(ticket, None)
+        self._planned_for = (self.worker.pool.version, self._composition)
 
     def _join(self, ticket: TrialTicket, state: AdapterState | None) -> None:
         request = ticket.request
         run_id = None
         try:
-            store = self.sweep.checkpoints(request.task)
+            store = self.worker.checkpoints(request.task)
             saved_run_id, from_disk = None, state is None
             if state is None:
                 found = store.load(request.lineage)
                 if found is not None:
                     state, extra = found
                     saved_run_id = extra.get("run_id")
-            run_id = self.sweep.open_trial_run(request, saved_run_id or request.run_id, self.pack_id)
+            run_id = self.reporter.trial_started(request, saved_run_id or request.run_id, self.pack_id)
             job = AdapterJob(
                 request.adapter_id,
                 request.config,
-                self.sweep.tasks[request.task].examples,
-                self.sweep.total_steps(request.task, request.config),
+                self.worker.resources.tasks[request.task].examples,
+                self.worker.total_steps(request),
             )
             if state is None:
                 self.trainer.add_job(job)
@@ -237,7 +319,7 @@ class _Pack:
         except BaseException as err:
             ticket.fail(err)
             if run_id is not None:
-                self.sweep.abandon(run_id)
+                self.reporter.trial_abandoned(run_id)
             if request.adapter_id in self.trainer.jobs:
                 self.trainer.remove_job(request.adapter_id)
             if request.adapter_id in self.worker.packed.configs:
@@ -248,6 +330,7 @@ class _Pack:
             slot.curve, slot.resumed_from = list(state.curve), state.steps_done
             log.info("%s resumes at step %d", request.adapter_id, state.steps_done)
         self.slots[request.adapter_id] = slot
+        self._joined.append(request.adapter_id)
         if request.on_started is not None:
             request.on_started(run_id)
         self._composition_changed()
@@ -262,16 +345,57 @@ class _Pack:
         self._composition_changed()
 
     def _composition_changed(self) -> None:
+        self._composition += 1
+        self._close_segment()
         self._stable_since = len(self.trainer.stats.step_seconds)
         if self.worker.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.worker.device)
 
+    # --- the record of pack decisions -------------------------------------------------------------
+    def _close_segment(self) -> None:
+        """End the current composition's segment (measured figures) and open the next one."""
+        seg = self._segment
+        if seg is not None:
+            seconds = self.trainer.stats.step_seconds[self._stable_since :]
+            seg.end = self.worker.clock()
+            seg.steps = len(seconds)
+            warm = seconds[1:] if len(seconds) > 1 else []
+            seg.measured_step_seconds = sum(warm) / len(warm) if warm else None
+            if self.worker.device.type == "cuda" and seconds:
+                seg.measured_peak_gib = torch.cuda.max_memory_allocated(self.worker.device) / 2**30
+            if seg.steps or seg.joined:
+                self.reporter.pack_segment(seg)
+            self._segment = None
+        if not self.slots:
+            return
+        ids = list(self.slots)
+        configs = self._configs()
+        decision = self.worker.admission.last
+        self._segment = PackSegment(
+            pack_id=self.pack_id,
+            device=self.worker.name,
+            policy=self.worker.admission.name,
+            solver=decision.solver if decision else "",
+            plan_seconds=decision.seconds if decision else 0.0,
+            members=ids,
+            labels=[self.slots[a].request.config.label() for a in ids],
+            joined=self._joined,
+            start=self.worker.clock(),
+            predicted_step_seconds=self.worker.cost.step_seconds(configs),
+            predicted_peak_gib=self.worker.predicted_memory(configs) / 2**30,
+        )
+        self._joined = []
+
     # --- the loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        progress = self.sweep.progress
+        progress = self.worker.progress
+        started = False
         try:
             self.admit(gather_seconds=self.config.pack.gather_seconds)
+            if not self.slots:  # another worker took what was waiting
+                return
             progress.pack_started(self.pack_id, len(self.slots), self._furthest_step())
+            started = True
             while self.slots:
                 self._collect_done()  # trials resumed at their last step need no more training
                 if self.trainer.jobs:
@@ -281,7 +405,7 @@ class _Pack:
         except _Shutdown:  # the sweep is closing mid-pack (interrupted): keep what trained so far
             for adapter_id, slot in list(self.slots.items()):
                 if adapter_id in self.trainer.jobs:
-                    self.sweep.checkpoints(slot.request.task).save(
+                    self.worker.checkpoints(slot.request.task).save(
                         slot.request.lineage,
                         capture(self.trainer, adapter_id, slot.curve),
                         {"run_id": slot.run_id, "adapter_id": adapter_id},
@@ -293,14 +417,16 @@ class _Pack:
             for adapter_id, slot in list(self.slots.items()):
                 slot.ticket.fail(err)
                 try:
-                    self.sweep.abandon(slot.run_id)
+                    self.reporter.trial_abandoned(slot.run_id)
                     self._leave(adapter_id)
                 except Exception:  # the first error is the one to report
                     log.exception("%s: cleaning up %s after an error failed too", self.pack_id, adapter_id)
             if not isinstance(err, Exception):
                 raise
         finally:
-            progress.pack_finished(self.pack_id)
+            self._close_segment()
+            if started:
+                progress.pack_finished(self.pack_id)
 
     def _furthest_step(self) -> int:
         """Packed steps until the last current member finishes (the progress bar's total)."""
@@ -319,9 +445,7 @@ class _Pack:
         for report in reports:
             slot = self.slots[report.adapter_id]
             if report.failed:  # already out of the trainer, before its update
-                self._finish(
-                    slot, self.sweep.failed_outcome(slot, self.pack_id, report.fail_reason, self.trainer.stats)
-                )
+                self._fail(slot, report.fail_reason)
             else:
                 slot.curve.append((report.step, report.loss, report.lr))
         self._maybe_calibrate()
@@ -338,18 +462,36 @@ class _Pack:
 
     # --- checkpoints, pruning, evaluation -------------------------------------------------------
     def _checkpoint(self, adapter_ids: list[str]) -> None:
-        """Every ``checkpoint_every`` steps of an adapter still training. A checkpoint is the
+        """A few times over each adapter's steps (``train.checkpoint_every``). A checkpoint is the
         adapter's fp32 weights and AdamW moments (12 bytes per LoRA parameter), copied to the
         host and written to disk, so the interval trades lost work against I/O."""
-        every = self.config.train.checkpoint_every
         for adapter_id in adapter_ids:
             step = self.trainer.steps_done[adapter_id]
+            every = self.config.train.checkpoint_interval(self.trainer.jobs[adapter_id].total_steps)
             if step % every == 0 and not self.trainer.is_done(adapter_id):
                 slot = self.slots[adapter_id]
                 state = capture(self.trainer, adapter_id, slot.curve)
-                self.sweep.checkpoints(slot.request.task).save(
+                self.worker.checkpoints(slot.request.task).save(
                     slot.request.lineage, state, {"run_id": slot.run_id, "adapter_id": adapter_id}
                 )
+
+    def _evaluate(self, task: str, adapter_ids: list[str], limit: int | None) -> dict[str, dict[str, float]]:
+        from plora_hpo.evaluation import evaluate_adapters
+
+        ev = self.config.evaluation
+        return evaluate_adapters(
+            self.worker.packed,
+            self.worker.base.tokenizer,
+            adapter_ids,
+            self.worker.resources.eval_tasks[task],
+            limit=limit,
+            batch_size=ev.batch_size,
+            max_new_tokens=ev.max_new_tokens,
+            bootstrap_iters=ev.bootstrap_iters,
+        )
+
+    def _metric(self, task: str) -> str:
+        return self.worker.resources.tasks[task].metric
 
     def _prune(self, training: list[str], reports: list[StepReport]) -> None:
         pruning = self.config.pruning
@@ -367,32 +509,60 @@ class _Pack:
             return
         for task in sorted({self.slots[a].request.task for a in due}):
             ids = [a for a in due if self.slots[a].request.task == task]
-            scores = self.sweep.score(self.worker, task, ids, limit=pruning.eval_limit)
+            metrics = self._evaluate(task, ids, pruning.eval_limit)
             for adapter_id in ids:
                 slot, step = self.slots[adapter_id], self.trainer.steps_done[adapter_id]
-                value = scores[adapter_id]
+                value = metrics[adapter_id][self._metric(task)]
                 slot.intermediate.append((step, value))
                 if slot.request.should_prune(step, value):
                     self.trainer.remove_job(adapter_id)
-                    self._finish(slot, self.sweep.pruned_outcome(slot, self.pack_id, step, self.trainer.stats))
+                    self.reporter.trial_pruned(slot, self.pack_id, step, self._metric(task))
+                    self._finish(slot, self._outcome(slot, value=slot.intermediate[-1][1], pruned_at=step))
 
     def _evaluate_finished(self, adapter_ids: list[str]) -> None:
-        self.sweep.progress.evaluating(self.pack_id)
+        self.worker.progress.evaluating(self.pack_id)
         for task in sorted({self.slots[a].request.task for a in adapter_ids}):
             ids = [a for a in adapter_ids if self.slots[a].request.task == task]
-            metrics = self.sweep.evaluate(self.worker, task, ids)
+            metrics = self._evaluate(task, ids, self.config.evaluation.limit)
             for adapter_id in ids:
                 slot = self.slots[adapter_id]
-                outcome = self.sweep.completed_outcome(
-                    self.worker, slot, self.pack_id, metrics[adapter_id], self.trainer.stats
+                adapter_dir = export_peft_adapter(
+                    self.worker.packed, adapter_id, self.worker.adapter_root / adapter_id, self.worker.base.name
+                )
+                self.reporter.trial_completed(slot, self.pack_id, metrics[adapter_id], adapter_dir, self.trainer.stats)
+                outcome = self._outcome(
+                    slot,
+                    value=metrics[adapter_id][self._metric(task)],
+                    metrics=metrics[adapter_id],
+                    adapter_dir=adapter_dir,
                 )
                 self._finish(slot, outcome)
 
+    def _fail(self, slot: _Slot, reason: str) -> None:
+        """A trial that left its pack non-finite (or out of memory alone): its run ends FAILED."""
+        self.reporter.trial_failed(slot, self.pack_id, reason)
+        self._finish(slot, self._outcome(slot, value=float("nan"), fail_reason=reason))
+
+    def _outcome(self, slot: _Slot, **fields: Any) -> TrialOutcome:
+        stats: PackStats = self.trainer.stats
+        return TrialOutcome(
+            request=slot.request,
+            metrics=fields.pop("metrics", {}),
+            losses=[loss for _, loss, _ in slot.curve],
+            run_id=slot.run_id,  # a placeholder if created during an MLflow outage: see SweepTracker.resolve
+            adapter_dir=fields.pop("adapter_dir", None),
+            pack_id=self.pack_id,
+            tokens_per_second=stats.tokens_per_second,
+            resumed_from=slot.resumed_from,
+            intermediate=list(slot.intermediate),
+            **fields,
+        )
+
     def _finish(self, slot: _Slot, outcome: TrialOutcome) -> None:
-        self.sweep.checkpoints(slot.request.task).delete(slot.request.lineage)
+        self.worker.checkpoints(slot.request.task).delete(slot.request.lineage)
         self._leave(slot.request.adapter_id)
         slot.ticket.finish(outcome)
-        self.sweep.progress.trial_finished(outcome)
+        self.worker.progress.trial_finished(outcome)
 
     # --- out of memory --------------------------------------------------------------------------
     def _split_after_oom(self) -> None:
@@ -408,8 +578,7 @@ class _Pack:
         if len(ids) == 1:
             slot = self.slots[ids[0]]
             self.trainer.remove_job(ids[0])
-            reason = f"{ids[0]}: out of memory on {worker.name} even alone; lower its batch size or rank"
-            self._finish(slot, self.sweep.failed_outcome(slot, self.pack_id, reason, self.trainer.stats))
+            self._fail(slot, f"{ids[0]}: out of memory on {worker.name} even alone; lower its batch size or rank")
             return
         keep = 1
         while keep < len(ids) - 1 and worker.predicted_memory(configs[: keep + 1]) <= worker.memory_limit:
@@ -433,11 +602,32 @@ class _Pack:
 
     # --- cost model -----------------------------------------------------------------------------
     def _maybe_calibrate(self) -> None:
-        """After ``CALIBRATION_STEPS`` warm steps of one composition, feed them to the cost model."""
+        """After ``CALIBRATION_STEPS`` warm steps of one composition, refit the cost model on them
+        (admission then decides with it, and later sweeps start from it)."""
+        from plora_hpo.planner import CostModel, record_observation
+        from plora_hpo.planner.model_names import shape_name_of
+
         seconds = self.trainer.stats.step_seconds[self._stable_since :]
         if len(seconds) != CALIBRATION_STEPS + 1:
             return
-        peak = torch.cuda.max_memory_allocated(self.worker.device) if self.worker.device.type == "cuda" else None
-        self.sweep.calibrate(
-            self.worker, [s.request.config for s in self.slots.values()], sum(seconds[1:]) / CALIBRATION_STEPS, peak
+        worker = self.worker
+        shape_name = shape_name_of(worker.base.shape)
+        if shape_name is None:  # a model of unlisted shape: nothing to calibrate against
+            return
+        peak = torch.cuda.max_memory_allocated(worker.device) if worker.device.type == "cuda" else None
+        workload = worker.cost.workload  # the engine settings the pack ran with
+        calibration = record_observation(
+            shape_name,
+            worker.gpu,
+            self._configs(),
+            workload.seq_len,
+            workload.targets,
+            step_seconds=sum(seconds[1:]) / CALIBRATION_STEPS,
+            peak_bytes=peak,
+            dtype_bytes=workload.dtype_bytes,
+            checkpointing=workload.checkpointing,
+            logits_chunk_tokens=workload.logits_chunk_tokens,
+            micro_batch_tokens=workload.micro_batch_tokens,
         )
+        if calibration is not None:
+            worker.cost = CostModel(workload, worker.gpu, calibration)

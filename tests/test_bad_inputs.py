@@ -9,10 +9,12 @@ model and data (batch larger than the dataset, an unknown or model-less folder) 
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -180,14 +182,40 @@ FAST_SWEEP_CASES = [
     (
         "unknown-top-level-key",
         lambda d: _sweep(_mutated(d, lambda c: c.update(colour="red"))),
-        "colour: unknown key",
-        "remove it or check its spelling",
+        "unknown key 'colour'",
+        r"remove it or check its spelling \(keys here: name, model, tasks",
     ),
     (
         "unknown-nested-key-typo",
         lambda d: _sweep(_mutated(d, lambda c: c["budget"].update(stpes=3))),
-        "budget.stpes: unknown key",
-        "remove it or check its spelling",
+        "unknown key 'budget.stpes'",
+        r"did you mean 'steps'\?",
+    ),
+    (
+        "misspelled-space-key",
+        lambda d: _sweep(_mutated(d, lambda c: c["space"].update(rnak=c["space"].pop("rank")))),
+        r"sweep\.yaml: unknown key 'space\.rnak'",
+        r"did you mean 'rank'\?$",
+    ),
+    (
+        "misspelled-key-among-other-problems",
+        lambda d: _sweep(
+            _mutated(d, lambda c: c.update(seq_len="long") or c["pack"].update(size=0) or c["space"].update(rnak={}))
+        ),
+        r"unknown key 'space\.rnak'; did you mean 'rank'\?",
+        r"\(\+2 more problems: seq_len, pack\.size\)$",
+    ),
+    (
+        "duplicate-grid-value",
+        lambda d: _sweep(_mutated(d, lambda c: c["space"]["rank"].update(choices=[16, 16, 64]))),
+        "space.rank: choice 16 appears twice",
+        "list each value once",
+    ),
+    (
+        "duplicate-learning-rate-choice",
+        lambda d: _sweep(_mutated(d, lambda c: c["space"]["learning_rate"].update(choices=[2e-4, 2e-5, 0.0002]))),
+        r"space\.learning_rate: choice 0\.0002 appears twice",
+        "list each value once",
     ),
     (
         "empty-space",
@@ -296,6 +324,18 @@ FAST_SWEEP_CASES = [
         "--storage",
     ),
     (
+        "run-dir-inside-a-file",
+        lambda d: _sweep(DEMO, "--run-dir", str(_write(d, "not a folder", "taken") / "run")),
+        r"--run-dir .*taken/run is not writable \(.*taken is a file, not a folder\)",
+        "pass a writable --run-dir",
+    ),
+    (
+        "run-dir-is-a-file",
+        lambda d: _sweep(DEMO, "--run-dir", str(_write(d, "not a folder", "taken"))),
+        r"--run-dir .*taken is not writable \(.*taken is a file, not a folder\)",
+        "pass a writable --run-dir",
+    ),
+    (
         "device-unknown",
         lambda d: [*_sweep(DEMO)[:-1], "quantum"],
         "--device quantum: 'quantum' is not a device",
@@ -309,6 +349,94 @@ FAST_SWEEP_CASES = [
 )
 def test_bad_sweep_input(workdir, capsys, argv, problem, fix):
     _run(workdir, capsys, argv(workdir), problem, fix)
+
+
+def _fail_in(folder: Path, real: Callable, fault: Callable[[], object]) -> Callable:
+    """``real`` with ``fault()`` injected for paths inside ``folder`` only (everything else untouched)."""
+
+    def wrapped(*args, **kwargs):
+        target = kwargs.get("dir", args[0] if args else None)
+        if isinstance(target, (str, os.PathLike)) and Path(os.path.abspath(target)).is_relative_to(folder):
+            return fault()
+        return real(*args, **kwargs)
+
+    return wrapped
+
+
+def _raise(err: OSError) -> Callable[[], object]:
+    def fault() -> object:
+        raise err
+
+    return fault
+
+
+def _read_only_by_access(folder: Path, monkeypatch) -> None:
+    monkeypatch.setattr(os, "access", _fail_in(folder, os.access, lambda: False))
+
+
+def _read_only_by_probe(folder: Path, monkeypatch) -> None:
+    # what root meets on a read-only mount: os.access says yes, creating a file fails with EROFS
+    fault = _raise(OSError(errno.EROFS, "Read-only file system"))
+    monkeypatch.setattr(tempfile, "mkstemp", _fail_in(folder, tempfile.mkstemp, fault))
+
+
+def _permission_denied_by_probe(folder: Path, monkeypatch) -> None:
+    fault = _raise(PermissionError(errno.EACCES, "Permission denied"))
+    monkeypatch.setattr(tempfile, "mkstemp", _fail_in(folder, tempfile.mkstemp, fault))
+
+
+@pytest.mark.parametrize(
+    ("existing", "inject"),
+    [
+        (True, _read_only_by_access),
+        (True, _read_only_by_probe),
+        (False, _read_only_by_probe),
+        (False, _permission_denied_by_probe),
+    ],
+    ids=[
+        "existing-dir-no-access",
+        "existing-dir-read-only-mount",
+        "parent-read-only-mount",
+        "parent-permission-denied",
+    ],
+)
+def test_read_only_run_dir(workdir, capsys, monkeypatch, existing, inject):
+    """A run directory that exists but cannot be written, or a new one whose parent cannot be written."""
+    folder = workdir / "ro"
+    folder.mkdir()
+    run_dir = folder if existing else folder / "run"
+    inject(folder, monkeypatch)
+    _run(
+        workdir,
+        capsys,
+        _sweep(DEMO, "--run-dir", str(run_dir)),
+        rf"--run-dir {re.escape(str(run_dir))} is not writable \(read-only or permission denied\)",
+        "pass a writable --run-dir$",
+    )
+    assert list(folder.iterdir()) == []
+
+
+@pytest.mark.skipif(not Path("/sys/kernel").is_dir(), reason="needs Linux sysfs")
+def test_run_dir_on_a_filesystem_that_refuses_new_files(workdir, capsys):
+    """No injected fault: sysfs refuses new files even to root, which os.access alone does not see."""
+    _run(workdir, capsys, _sweep(DEMO, "--run-dir", "/sys/kernel/plora-run"), "is not writable", "--run-dir")
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes to a folder whatever its mode")
+def test_run_dir_in_a_folder_without_write_permission(workdir, capsys):
+    folder = workdir / "locked"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        _run(
+            workdir,
+            capsys,
+            _sweep(DEMO, "--run-dir", str(folder / "run")),
+            r"is not writable \(read-only or permission denied\)",
+            "pass a writable --run-dir",
+        )
+    finally:
+        folder.chmod(0o700)
 
 
 def _plan(path: Path | str, *extra: str) -> list[str]:

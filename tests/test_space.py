@@ -28,7 +28,8 @@ def test_paper120_is_the_design_grid():
     assert {c.learning_rate for c in configs} == {2e-5, 1e-4, 2e-4, 4e-4}
     assert {c.batch_size for c in configs} == {2, 8}
     assert len({(c.rank, c.alpha, c.learning_rate, c.batch_size) for c in configs}) == 120
-    assert space.contains(REFERENCE_PARAMS)
+    grid = space.grid()
+    assert all(value in grid[name] for name, value in REFERENCE_PARAMS.items())
 
 
 def test_adaptive_space_is_continuous_and_samples_inside_bounds():
@@ -64,8 +65,20 @@ def test_every_sampler_proposes_valid_configs(sampler):
         assert len(seen) == 6  # the grid never repeats a point
 
 
-def test_trial_seeds_differ_and_depend_on_sweep_seed():
+def test_seeds_belong_to_the_config_not_the_trial_number():
     a, b = space_of("demo.yaml"), space_of("demo.yaml")
     b.seed = 7
-    assert a.trial_seed(0) != a.trial_seed(1)
-    assert a.trial_seed(3) != b.trial_seed(3)
+    configs = a.enumerate_configs()
+    assert len({c.seed for c in configs}) == len(configs)  # every grid point its own seed
+    assert [c.seed for c in configs] != [c.seed for c in b.enumerate_configs()]  # the sweep seed counts
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler(a.grid(), seed=3))
+    by_params = {(c.rank, c.alpha, c.learning_rate, c.batch_size): c.seed for c in configs}
+    seen = []
+
+    def objective(trial):  # any trial number, the same seed for the same config
+        c = a.suggest(trial)
+        seen.append(c.seed == by_params[(c.rank, c.alpha, c.learning_rate, c.batch_size)])
+        return 0.0
+
+    study.optimize(objective, n_trials=len(configs))
+    assert seen == [True] * len(configs)

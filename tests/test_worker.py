@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import optuna
 import pytest
 import torch
@@ -10,6 +12,7 @@ from optuna.trial import TrialState
 
 from plora_hpo import PackedObjective, PackedSweep, SweepTracker, create_study, load_sweep, optimize_in_packs, planner
 from plora_hpo import worker as worker_module
+from plora_hpo.admission import PlannerAdmission
 from plora_hpo.engine import PackedTrainer
 
 from .test_sweep_e2e import small_sweep
@@ -146,3 +149,59 @@ def test_two_devices_train_packs_at_the_same_time(tmp_path):
         spans[t.user_attrs["pack_id"]] = (min(start, run.info.start_time), max(end, run.info.end_time))
     (s0, e0), (s1, e1) = spans.values()
     assert s0 < e1 and s1 < e0  # the two packs trained concurrently
+
+
+class RecordingPlanner(PlannerAdmission):
+    """The real planner policy, keeping what it was asked: (members training, waiting, chosen)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[int, int, int]] = []
+
+    def select(self, waiting, room):
+        chosen = super().select(waiting, room)
+        self.calls.append((len(room.members), len(waiting), len(chosen)))
+        return chosen
+
+
+def test_planner_replans_when_a_trial_is_pruned_fails_or_finishes(tmp_path, monkeypatch):
+    """Pack size 2, five trials: trial 0 is pruned at step 2, trial 1 turns non-finite at its
+    sixth step; each time the planner is asked again with the remaining member and refills the
+    slot from the pool. The pack record lists every composition with predicted and measured time."""
+    sweep, study, _ = open_sweep(
+        tmp_path,
+        "replan",
+        budget={"steps": 8},
+        pack={"size": 2, "gather_seconds": 10},
+        pruning={"pruner": "median", "interval": 2, "eval_limit": 4},
+    )
+    study.pruner = PruneTrialZero()
+    policy = RecordingPlanner()
+    sweep.workers[0].admission = policy
+    original_step = PackedTrainer.step
+
+    def step(trainer):  # fault injection only: trial 1's lora_B turns NaN before its sixth step
+        if "synthetic-t1" in trainer.jobs and trainer.steps_done["synthetic-t1"] == 5:
+            with torch.no_grad():
+                trainer.packed.parameters_of("synthetic-t1")[1].fill_(float("nan"))
+        return original_step(trainer)
+
+    monkeypatch.setattr(PackedTrainer, "step", step)
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=5, n_jobs=sweep.concurrency)
+    finally:
+        sweep.close()
+
+    states = {t.number: t.state for t in study.trials}
+    assert states[0] == TrialState.PRUNED and states[1] == TrialState.FAIL
+    assert sorted(states.values()).count(TrialState.COMPLETE) == 3
+    assert {t.user_attrs.get("pack_id") for t in study.trials} == {"pack-0"}  # refilled, never restarted
+    assert policy.calls[0][0] == 0  # the pack's first decision, from an empty pack
+    refills = [c for c in policy.calls if c[0] == 1 and c[2] == 1]  # one member left, one slot refilled
+    assert len(refills) >= 2  # after the prune and after the failure (and after a finish)
+    record = json.loads((sweep.run_dir / "packs" / "packs.json").read_text())
+    segments = record["segments"]
+    assert {m for s in segments for m in s["members"]} == {f"synthetic-t{n}" for n in range(5)}
+    assert all(s["policy"] == "planner" and s["predicted_step_seconds"] > 0 for s in segments)
+    assert any(s["measured_step_seconds"] for s in segments)
+    assert (sweep.run_dir / "packs" / "packs.png").stat().st_size > 0

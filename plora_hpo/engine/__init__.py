@@ -2,12 +2,13 @@
 
 from plora_hpo.engine.batching import DataStream, PackedBatch, collate
 from plora_hpo.engine.export import export_peft_adapter
-from plora_hpo.engine.packed_lora import PackedLoraLinear, PackedLoraModel
+from plora_hpo.engine.packed_lora import FrozenFactors, PackedLoraLinear, PackedLoraModel
 from plora_hpo.engine.trainer import AdapterJob, OptimizerSettings, PackedTrainer, PackStats, StepReport
 
 __all__ = [
     "AdapterJob",
     "DataStream",
+    "FrozenFactors",
     "OptimizerSettings",
     "PackStats",
     "PackedBatch",

@@ -19,6 +19,13 @@ themselves (no per-layer gradient tensors, casts or adds). A forward whose route
 packed adapters in that order, while the copy is fresh, takes this path; any other route
 (evaluation, a different order) concatenates the per-layer parameters per call as before. Both
 paths compute the same function and put the same gradients on the adapters.
+
+Frozen views (evaluation's fast path): :meth:`PackedLoraModel.frozen_view` concatenates every
+layer's factors for one routing order once (:class:`FrozenFactors`) instead of on every call,
+and may hand each layer a *fast path*, a callable the layer consults before its own kernels
+(:data:`FastPath`). Callers that serve many adapters with fixed weights (evaluation, where a
+decode step calls every adapted projection once per generated token) use it instead of
+replacing anything on the layers; the layers own the switch and restore it on exit.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -122,6 +129,41 @@ class _Pack:
     fresh: bool = False  # compute holds master's current values (set by refresh, cleared by stale)
 
 
+@dataclass(frozen=True)
+class FrozenFactors:
+    """One layer's factors for one routing order, concatenated once (:meth:`PackedLoraModel.frozen_view`).
+
+    ``a_cat`` (Σr × d_in) and ``b_cat`` (d_out × Σr) equal, bit for bit, what the per-call path
+    builds for activations in the base layer's dtype; they are detached snapshots.
+    ``master_dtype`` is the adapters' own dtype (which activation dtypes the pair serves).
+    """
+
+    adapter_ids: tuple[str, ...]
+    a_cat: torch.Tensor
+    b_cat: torch.Tensor
+    master_dtype: torch.dtype
+
+
+FastPath = Callable[[torch.Tensor, SegmentLayout], "torch.Tensor | None"]
+"""A layer's alternative application of its :class:`FrozenFactors`: ``(x, layout) -> y``.
+
+The layer calls it only without autograd, for activations in the factors' dtype and a route
+the factors serve, with the forward's token layout; it returns the layer's full output
+(base plus adapters) or ``None`` to let the layer take its own path.
+"""
+
+FastPathFactory = Callable[["PackedLoraLinear", FrozenFactors], "FastPath | None"]
+"""Builds one layer's :data:`FastPath` from the layer and its frozen factors (``None``: none)."""
+
+
+@dataclass(frozen=True)
+class _Frozen:
+    """What a layer holds inside :meth:`PackedLoraModel.frozen_view`."""
+
+    factors: FrozenFactors
+    fast_path: FastPath | None
+
+
 class PackedLoraLinear(nn.Module):
     """A frozen ``nn.Linear`` plus per-adapter LoRA factors applied to each adapter's rows."""
 
@@ -134,6 +176,7 @@ class PackedLoraLinear(nn.Module):
         self._slot: _LayerSlot | None = None
         self.chunk = 0  # which pack buffer holds this layer's factors
         self.col_a = 0  # this layer's first column in a pack row (A: d_in columns, then Bᵀ: d_out)
+        self._frozen: _Frozen | None = None  # set only by PackedLoraModel.frozen_view
 
     @property
     def in_features(self) -> int:
@@ -177,19 +220,63 @@ class PackedLoraLinear(nn.Module):
             b_parts = [p.to(dtype) for p in b_parts]
         return torch.cat(a_parts), torch.cat(b_parts, dim=1)
 
+    # --- frozen views (set up by PackedLoraModel.frozen_view) -------------------------------
+    @property
+    def frozen_factors(self) -> FrozenFactors | None:
+        """The factors of the enclosing :meth:`PackedLoraModel.frozen_view` (``None`` outside one)."""
+        return None if self._frozen is None else self._frozen.factors
+
+    @property
+    def fast_path(self) -> FastPath | None:
+        """The fast path of the enclosing :meth:`PackedLoraModel.frozen_view`, if it gave one."""
+        return None if self._frozen is None else self._frozen.fast_path
+
+    def _compute_dtype(self, master: torch.dtype, dtype: torch.dtype) -> torch.dtype:
+        """The dtype :meth:`_weights` returns for ``master`` factors and activations of ``dtype``."""
+        cast = self.router.cast_adapters and dtype.is_floating_point and master != dtype
+        return dtype if cast else master
+
+    def _freeze(self, adapter_ids: tuple[str, ...]) -> FrozenFactors:
+        """What :meth:`_weights` returns for a route over ``adapter_ids`` and activations in the
+        base's dtype, built once. Casting the concatenation is the same elementwise cast as
+        casting each adapter's factors, in two launches instead of 2K."""
+        a_cat = torch.cat([self.lora_A[i].detach() for i in adapter_ids])
+        b_cat = torch.cat([self.lora_B[i].detach() for i in adapter_ids], dim=1)
+        dtype = self._compute_dtype(a_cat.dtype, self.base.weight.dtype)
+        return FrozenFactors(adapter_ids, a_cat.to(dtype), b_cat.to(dtype), a_cat.dtype)
+
+    def _serves(self, factors: FrozenFactors, route: Route, dtype: torch.dtype) -> bool:
+        """Whether ``factors`` are exactly what :meth:`_weights` would build for this forward."""
+        return route.adapter_ids == factors.adapter_ids and (
+            self._compute_dtype(factors.master_dtype, dtype) == factors.a_cat.dtype
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         route = self.router.current
         if route is None or not route.adapter_ids:
             return self.base(x)
+        tokens_per_row = x.shape[-2] if x.dim() == 3 else 1
+        layout = route.layout(tokens_per_row)
+        frozen = self._frozen
+        serves = frozen is not None and self._serves(frozen.factors, route, x.dtype)
+        if (
+            serves
+            and frozen.fast_path is not None
+            and x.dtype == frozen.factors.a_cat.dtype
+            and not torch.is_grad_enabled()
+        ):
+            y = frozen.fast_path(x, layout)
+            if y is not None:
+                return y
         slot = self._slot
         if slot is not None and slot.pack.fresh and route.adapter_ids == slot.ids:
             a_cat, b_cat, grads = slot.a, slot.b, slot.grads  # the pack: compute copy in, fp32 gradient out
+        elif serves:
+            a_cat, b_cat, grads = frozen.factors.a_cat, frozen.factors.b_cat, None
         else:
             (a_cat, b_cat), grads = self._weights(route, x.dtype), None
-        tokens_per_row = x.shape[-2] if x.dim() == 3 else 1
         # one node for base and adapters: its backward writes dx = dy·W and the adapters' part
         # into one buffer, where base + delta as two nodes would leave autograd a full-size add
-        layout = route.layout(tokens_per_row)
         return adapted_linear(x, self.base.weight, self.base.bias, a_cat, b_cat, layout, grads_into=grads)
 
 
@@ -484,9 +571,6 @@ class PackedLoraModel:
         if self._pack is not None:
             self._pack.fresh = False
 
-    def packed_grads(self) -> list[torch.Tensor]:
-        return [] if self._pack is None else list(self._pack.grad)
-
     def zero_packed_grads(self) -> None:
         if self._pack is not None:
             torch._foreach_zero_(self._pack.grad)
@@ -529,6 +613,35 @@ class PackedLoraModel:
             for key, value in self.state_dict_of(adapter_id).items():
                 value.copy_(tensors[key])
         self.mark_stale()
+
+    @contextmanager
+    def frozen_view(self, adapter_ids: Sequence[str], *, fast_path: FastPathFactory | None = None) -> Iterator[None]:
+        """Within the block, routes over exactly ``adapter_ids`` (in this order) read factors built once.
+
+        Every layer concatenates those adapters' factors on entry (:class:`FrozenFactors`, the
+        pair its per-call path would build, so results are bit-identical) and uses them for any
+        forward whose route lists exactly these adapters, groups without rows included; other
+        routes take the usual path. ``fast_path``, when given, is called once per layer on
+        entry; the :data:`FastPath` it returns is tried first on such forwards.
+
+        The factors are snapshots: do not change, page or remove these adapters inside the
+        block. On exit every layer is back to what it used before (views may nest).
+        """
+        ids = tuple(adapter_ids)
+        unknown = [a for a in ids if a not in self.configs]
+        if not ids or unknown:
+            raise ValueError(f"cannot freeze {list(ids)}: no adapters, or unknown adapters {unknown}")
+        previous: list[tuple[PackedLoraLinear, _Frozen | None]] = []
+        try:
+            with torch.no_grad():
+                for layer in self.layers.values():
+                    previous.append((layer, layer._frozen))
+                    factors = layer._freeze(ids)
+                    layer._frozen = _Frozen(factors, None if fast_path is None else fast_path(layer, factors))
+            yield
+        finally:
+            for layer, before in previous:
+                layer._frozen = before
 
     @contextmanager
     def route(

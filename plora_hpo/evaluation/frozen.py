@@ -6,11 +6,12 @@ of the fp32 factors to the activations' dtype plus two concatenations. Training 
 projection once per generated token: for 32 adapters on a 28-layer model that is ~13k small
 kernels and ~18 GB of memory traffic per step, more than the step's real work.
 
-:func:`frozen_adapter_weights` builds each layer's concatenation once, in exactly the dtype and
-layout the per-call path produces, and serves it to every forward whose route lists exactly
-those adapters (groups without rows included), so results are bit-identical. Any other route
-falls through to the layer's own path. :func:`full_route` turns a batch's adapter-grouped rows
-into such a route.
+:func:`frozen_adapter_weights` opens the engine's frozen view
+(:meth:`~plora_hpo.engine.packed_lora.PackedLoraModel.frozen_view`): each layer's concatenation
+is built once, in exactly the dtype and layout the per-call path produces, and serves every
+forward whose route lists exactly those adapters (groups without rows included), so results are
+bit-identical. Any other route falls through to the layer's own path. :func:`full_route` turns a
+batch's adapter-grouped rows into such a route.
 
 Two more ways to apply the prebuilt factors, meant for bf16 on the GPU (they compute the same
 function as the segment kernels with a different accumulation order, so the result is within
@@ -25,41 +26,24 @@ rounding of the kernel path):
 * larger forwards (prefill, scoring: ``segment_gemms``) take cuBLAS GEMMs per adapter segment,
   batched per run of equal-rank adapters when every adapter owns the same number of tokens
   (:mod:`~plora_hpo.evaluation.segment_gemms`).
+
+Both are the layers' fast path (:data:`~plora_hpo.engine.packed_lora.FastPath`), which the
+engine consults itself; evaluation changes nothing on the engine's objects.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from itertools import pairwise
 
 import torch
 
-from plora_hpo.engine.packed_lora import PackedLoraLinear, PackedLoraModel, Route
+from plora_hpo.engine.packed_lora import FrozenFactors, PackedLoraLinear, PackedLoraModel
 from plora_hpo.evaluation._model import run_lengths
 from plora_hpo.evaluation.segment_gemms import SegmentGemms
 from plora_hpo.kernels import SegmentLayout
-
-_OVERRIDE = "_weights"  # the PackedLoraLinear method that returns (A_cat, B_cat) for a route
-
-
-def _result_dtype(layer: PackedLoraLinear, master: torch.dtype, dtype: torch.dtype) -> torch.dtype:
-    """The dtype ``layer._weights`` returns for activations of ``dtype`` (it casts fp32 masters)."""
-    cast = layer.router.cast_adapters and dtype.is_floating_point and master != dtype
-    return dtype if cast else master
-
-
-def _concatenated(layer: PackedLoraLinear, ids: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """What ``layer._weights`` returns for a route over ``ids`` when activations have the base's dtype.
-
-    That path casts each adapter's factors and then concatenates; casting the concatenation is
-    the same elementwise cast in two launches instead of 2K (host time that a GPU profile of 32
-    adapters on 196 layers showed per evaluation call).
-    """
-    a_cat = torch.cat([layer.lora_A[i].detach() for i in ids])
-    b_cat = torch.cat([layer.lora_B[i].detach() for i in ids], dim=1)
-    dtype = _result_dtype(layer, a_cat.dtype, layer.base.weight.dtype)
-    return a_cat.to(dtype), b_cat.to(dtype)
 
 
 @contextmanager
@@ -82,90 +66,49 @@ def frozen_adapter_weights(
             doc); 0: never.
         segment_gemms: larger forwards take cuBLAS GEMMs per adapter segment (module doc).
 
-    Yields whether the prebuilt factors are in use (``False`` when disabled or when the layers
-    lack the hook). The factors are snapshots: do not change adapter weights inside the block.
+    Yields whether the prebuilt factors are in use (``False`` when disabled or without
+    adapters). The factors are snapshots: do not change adapter weights inside the block.
     """
     ids = tuple(adapter_ids)
-    layers = list(packed.layers.values())
-    if not enabled or not ids or not all(callable(getattr(layer, _OVERRIDE, None)) for layer in layers):
+    if not enabled or not ids:
         yield False
         return
-    shadowed = []
-    try:
-        with torch.no_grad():
-            for layer in layers:
-                shadowed.append((layer, {name: vars(layer).get(name) for name in (_OVERRIDE, "forward")}))
-                frozen = _FrozenWeights(layer, ids)
-                setattr(layer, _OVERRIDE, frozen)
-                if dense_max_tokens > 0 or segment_gemms:
-                    layer.forward = _EvalForward(layer, frozen, dense_max_tokens, segment_gemms)
+    fast_path = None
+    if dense_max_tokens > 0 or segment_gemms:
+        fast_path = functools.partial(_EvalPath, max_tokens=dense_max_tokens, gemms=segment_gemms)
+    with packed.frozen_view(ids, fast_path=fast_path):
         yield True
-    finally:
-        for layer, previous in shadowed:
-            for name, value in previous.items():
-                if value is not None:
-                    setattr(layer, name, value)
-                elif name in vars(layer):
-                    delattr(layer, name)
 
 
-class _FrozenWeights:
-    """A layer's ``_weights`` for the block: the prebuilt pair for its route, else the layer's own."""
+class _EvalPath:
+    """A layer's fast path for the block: the dense or the segment-GEMM path where they apply (module doc).
 
-    def __init__(self, layer: PackedLoraLinear, ids: tuple[str, ...]) -> None:
-        self.layer, self.ids = layer, ids
-        self.own = getattr(layer, _OVERRIDE)
-        self.master = layer.lora_A[ids[0]].dtype
-        self.a_cat, self.b_cat = _concatenated(layer, ids)
+    The layer calls it only for routes its frozen factors serve, in their dtype, without
+    autograd; ``None`` hands the forward back to the layer's own path.
+    """
 
-    def serves(self, route: Route | None, dtype: torch.dtype) -> bool:
-        return (
-            route is not None
-            and route.adapter_ids == self.ids
-            and _result_dtype(self.layer, self.master, dtype) == self.a_cat.dtype
-        )
-
-    def __call__(self, route: Route, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.serves(route, dtype):
-            return self.a_cat, self.b_cat
-        return self.own(route, dtype)
-
-
-class _EvalForward:
-    """A layer's ``forward`` for the block: the dense or the segment-GEMM path where they apply (module doc)."""
-
-    def __init__(self, layer: PackedLoraLinear, frozen: _FrozenWeights, max_tokens: int, gemms: bool) -> None:
-        self.layer, self.frozen, self.max_tokens, self.gemms = layer, frozen, max_tokens, gemms
-        self.own = layer.forward  # the class's forward (it reads the prebuilt factors too)
-        self.a_t = frozen.a_cat.t()  # (d_in, Σr)
-        self.b_t = frozen.b_cat.t()  # (Σr, d_out)
+    def __init__(self, layer: PackedLoraLinear, factors: FrozenFactors, *, max_tokens: int, gemms: bool) -> None:
+        self.base, self.factors, self.max_tokens, self.gemms = layer.base, factors, max_tokens, gemms
+        self.a_t = factors.a_cat.t()  # (d_in, Σr)
+        self.b_t = factors.b_cat.t()  # (Σr, d_out)
         self.segments: SegmentGemms | None = None  # built on first use (it needs the route's scalings)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        route = self.layer.router.current
+    def __call__(self, x: torch.Tensor, layout: SegmentLayout) -> torch.Tensor | None:
         tokens = x.numel() // x.shape[-1]
         dense = tokens <= self.max_tokens
-        if (
-            not (dense or self.gemms)
-            or x.dtype != self.a_t.dtype
-            or not self.frozen.serves(route, x.dtype)
-            or torch.is_grad_enabled()
-        ):
-            return self.own(x)
-        layout = route.layout(x.shape[-2] if x.dim() == 3 else 1)
-        if layout.token_offsets[-1] > tokens:
-            return self.own(x)  # let the layer's own path report the mismatch
+        if not (dense or self.gemms) or layout.token_offsets[-1] > tokens:
+            return None  # a layout beyond x's tokens: the layer's own path reports the mismatch
         if dense:
             return self._dense(x, layout, tokens)
         if self.segments is None:
-            self.segments = SegmentGemms(self.frozen.a_cat, self.frozen.b_cat, layout)
-        y = self.layer.base(x)
+            self.segments = SegmentGemms(self.factors.a_cat, self.factors.b_cat, layout)
+        y = self.base(x)
         if y.is_contiguous() and self.segments.add_(y.view(tokens, -1), x.reshape(tokens, -1), layout):
             return y
-        return self.own(x)
+        return None
 
     def _dense(self, x: torch.Tensor, layout: SegmentLayout, tokens: int) -> torch.Tensor:
-        y = self.layer.base(x)
+        y = self.base(x)
         scale = layout.cached(("dense_scale", str(x.device), x.dtype, tokens), lambda: _row_scales(layout, tokens, x))
         h = torch.mm(x.reshape(tokens, -1), self.a_t)
         h = h.mul_(scale) if scale.dtype == h.dtype else (h * scale).to(h.dtype)

@@ -169,7 +169,7 @@ class Prior:
     bandwidth, a fixed time per layer and forward, the optimizer update). The update is device
     time only: the engine does not wait for it at the end of a step, so the next step's
     launches overlap it. The constants come from the H200 runs of 2026-11-30. Memory, matmul,
-    traffic, LoRA and optimizer constants were fitted to the 03:56 run's profile of one
+    traffic, LoRA and optimizer constants were fitted to a profile of one
     qwen2.5-1.5b K 32 step: cuBLAS and cuDNN attention 0.217 s for 155.5 TFLOP (efficiency 0.93);
     LoRA kernels 0.081 s, of which their activation bytes take 0.047 s, leaving 8.05 TFLOP at 0.3
     of the peak; AdamW, norms, clip and zeroing ≈ 0.024 s for 1.74 G parameters × 44 bytes (0.74
@@ -185,7 +185,7 @@ class Prior:
     busy time (0.387 s) by 0.016 s: the gaps between its 2585 kernels, 0.57 ms per layer and
     forward. Its host-bound rows (K 1 0.149 s, K 8 0.173 s) give 0.146 s per forward of 28
     layers and 3.4 ms per adapter; of a layer's 5.2 ms, 0.46 ms per adapted projection (in the
-    same proportion as the 03:56 profile's host times). Calibration corrects them per (model, GPU).
+    same proportion as the first profile's host times). Calibration corrects them per (model, GPU).
     """
 
     # memory: saved elements per token and decoder layer
@@ -218,7 +218,7 @@ class Prior:
 
 
 # Eager transformers + PEFT (one adapter, unfused ops, full fp32 logits): least-squares fitted to
-# the seven H200 reference runs of DESIGN.md §6 (r 16 on all seven projections, seq 512); they
+# the seven H200 reference runs of :mod:`plora_hpo.planner.reference` (r 16 on all seven projections, seq 512); they
 # reproduce all seven peaks within 1% and step times within 10%.
 PEFT_PRIOR = Prior(
     saved_per_hidden=15.7,

@@ -1,4 +1,4 @@
-"""The H200 measurements of DESIGN.md §6 that the cost model's prior is checked against.
+"""The H200 reference measurements (eager PEFT) that the cost model's prior is checked against.
 
 Eager PEFT, LoRA r 16 on all seven projections, seq 512, bf16, full logits, measured 2026-11-29.
 """

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from plora_hpo.planner.baselines import Baselines
@@ -69,6 +68,3 @@ class Schedule:
             "policy": self.policy,
             "time_unit": "seconds",
         }
-
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)

@@ -89,7 +89,7 @@ def check_local_files(spec: TaskSpec, data_dir: Path) -> dict[str, Path]:
         if not path.is_file():
             raise DataError(
                 f"task {spec.name!r}: missing data file {path}; the data directory must hold "
-                f"{spec.expected_files()} (original formats, see DESIGN.md §5)"
+                f"{spec.expected_files()} (the files as originally published)"
             )
     return paths
 

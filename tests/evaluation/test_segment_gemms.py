@@ -59,7 +59,7 @@ def test_segment_gemms_match_the_layer_path(tmp_path, monkeypatch):
     with frozen_adapter_weights(packed, order, segment_gemms=True):
         batched = _logits(packed, ids, uniform)  # batched GEMMs per rank run
         per_segment = _logits(packed, ids, uneven)
-        runs = next(iter(packed.layers.values())).forward.segments.runs
+        runs = next(iter(packed.layers.values())).fast_path.segments.runs
     assert [(r.first, r.count) for r in runs] == [(0, 2), (2, 1), (3, 1)]
     torch.testing.assert_close(batched, want_uniform, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(per_segment, want_uneven, rtol=1e-5, atol=1e-5)

@@ -11,7 +11,7 @@ import torch
 
 from plora_hpo.kernels import _tuning as tuning
 from plora_hpo.kernels import adapted_linear, adapted_linear_reference
-from plora_hpo.kernels.adapted_linear import adapted_linear_triton
+from plora_hpo.kernels._adapted_linear import adapted_linear_triton
 from tests.kernels._oracle import Case, random_inputs, rel_err
 from tests.kernels.test_triton_lora import BF16_TOL, CASE_MODES, DEVICE, FP32_TOL, MODES, ON_GPU, _tuning_for
 

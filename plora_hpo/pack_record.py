@@ -1,0 +1,88 @@
+"""The record of a sweep's pack decisions: a JSON file and a Gantt chart of what ran.
+
+Each :class:`~plora_hpo.reporting.PackSegment` is one stretch of a pack with fixed members.
+The chart draws one row per device: the bar is what ran (measured start and end), and a thin
+bar inside it is what the cost model planned for the same steps (predicted step time × steps),
+so a pack slower or faster than predicted shows at a glance.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from plora_hpo.reporting import PackSegment
+
+
+def summarise(segments: Sequence[PackSegment]) -> dict:
+    """Per-sweep figures: segments, devices, makespan, and how far predictions were off."""
+    ends = [s.end for s in segments if s.end is not None]
+    ratios = [
+        s.measured_step_seconds / s.predicted_step_seconds
+        for s in segments
+        if s.measured_step_seconds and s.predicted_step_seconds
+    ]
+    ratios.sort()
+    return {
+        "segments": len(segments),
+        "packs": len({s.pack_id for s in segments}),
+        "devices": sorted({s.device for s in segments}),
+        "makespan_seconds": max(ends, default=0.0) - min((s.start for s in segments), default=0.0),
+        "policies": sorted({s.policy for s in segments}),
+        "solvers": sorted({s.solver for s in segments if s.solver}),
+        "plan_seconds_max": max((s.plan_seconds for s in segments), default=0.0),
+        "measured_over_predicted_step_median": ratios[len(ratios) // 2] if ratios else None,
+    }
+
+
+def write_pack_record(segments: Sequence[PackSegment], folder: Path, *, title: str = "") -> Path:
+    """Write ``packs.json`` and ``packs.png`` into ``folder``; returns the folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {"summary": summarise(segments), "segments": [s.to_dict() for s in segments]}
+    (folder / "packs.json").write_text(json.dumps(data, indent=2))
+    draw_gantt(segments, folder / "packs.png", title=title)
+    return folder
+
+
+def draw_gantt(segments: Sequence[PackSegment], path: Path, *, title: str = "") -> Path:
+    """One row per device; a bar per pack segment as it ran, a thin bar for its planned length."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    devices = sorted({s.device for s in segments})
+    packs = sorted({s.pack_id for s in segments}, key=lambda p: (len(p), p))
+    colors = plt.get_cmap("tab20").colors
+    fig, (ax, legend_ax) = plt.subplots(
+        1, 2, figsize=(13, max(2.5, 0.6 * len(devices) + 1.5)), gridspec_kw={"width_ratios": [3, 1]}
+    )
+    for seg in segments:
+        row = devices.index(seg.device)
+        end = seg.end if seg.end is not None else seg.start
+        color = colors[packs.index(seg.pack_id) % len(colors)]
+        ax.broken_barh([(seg.start, end - seg.start)], (row - 0.35, 0.7), facecolors=color, edgecolors="black", lw=0.4)
+        if seg.predicted_step_seconds and seg.steps:
+            planned = seg.predicted_step_seconds * seg.steps
+            ax.broken_barh([(seg.start, planned)], (row - 0.08, 0.16), facecolors="black", alpha=0.6)
+    ax.set_yticks(range(len(devices)))
+    ax.set_yticklabels(devices)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the sweep started (thin bar: planned length of the same steps)")
+    ax.set_title(title or "packs as they ran")
+    legend_ax.axis("off")
+    lines = []
+    for pack in packs[:24]:
+        members = sorted({label for s in segments if s.pack_id == pack for label in s.labels})
+        shown = ", ".join(members[:4]) + (f" +{len(members) - 4}" if len(members) > 4 else "")
+        lines.append(f"{pack}: {shown}")
+    if len(packs) > 24:
+        lines.append(f"… {len(packs) - 24} more packs")
+    for i, line in enumerate(lines):
+        legend_ax.text(0, 1 - i * 0.04, "■", color=colors[i % len(colors)], transform=legend_ax.transAxes, va="top")
+        legend_ax.text(0.06, 1 - i * 0.04, line, fontsize=7, transform=legend_ax.transAxes, va="top")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,197 @@
+"""Reporters: where a trial's life and the pack decisions are recorded.
+
+Device workers report through the :class:`TrialReporter` protocol and never see MLflow:
+:class:`MlflowReporter` writes one child run per trial (params, loss curve, metrics, adapter)
+under the sweep's parent run; :class:`NullReporter` records nothing, for benchmarks and tests
+that drive workers without a tracking store. Both keep the pack decisions
+(:class:`PackSegment`) that the sweep writes out at the end.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from plora_hpo.trials import TrialRequest
+
+if TYPE_CHECKING:
+    from plora_hpo.engine import PackStats
+    from plora_hpo.tracking import SweepTracker
+
+
+class TrialRecord(Protocol):
+    """What a reporter reads of a trial in a pack."""
+
+    @property
+    def request(self) -> TrialRequest: ...
+
+    run_id: str
+    curve: list[tuple[int, float, float]]  # (step, loss, lr)
+    intermediate: list[tuple[int, float]]  # (step, score)
+    resumed_from: int
+
+
+@dataclass
+class PackSegment:
+    """A stretch of one pack with fixed membership: what admission decided and what it measured.
+
+    Times are seconds since the sweep started. ``predicted_*`` come from the worker's cost
+    model when the composition formed; ``measured_*`` from the steps it ran (``None`` before
+    two steps, or on the CPU for memory).
+    """
+
+    pack_id: str
+    device: str
+    policy: str
+    solver: str
+    plan_seconds: float
+    members: list[str]
+    labels: list[str]
+    joined: list[str]
+    start: float
+    end: float | None = None
+    steps: int = 0
+    predicted_step_seconds: float | None = None
+    predicted_peak_gib: float | None = None
+    measured_step_seconds: float | None = None
+    measured_peak_gib: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class TrialReporter(Protocol):
+    """The calls a device worker makes about its trials and packs."""
+
+    def trial_started(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
+        """Open (or reopen ``run_id``, a crashed predecessor's) the trial's run; returns its id."""
+        ...
+
+    def trial_completed(
+        self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats
+    ) -> None:
+        """Curve, intermediate scores, final metrics and the adapter artifact; the run ends FINISHED."""
+        ...
+
+    def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None: ...
+
+    def trial_failed(self, record: TrialRecord, pack_id: str, reason: str) -> None: ...
+
+    def trial_abandoned(self, run_id: str) -> None:
+        """A trial met an unexpected error: its run ends FAILED (the trial gets the error)."""
+        ...
+
+    def pack_segment(self, segment: PackSegment) -> None:
+        """A pack composition ended (members joined or left, or the pack finished)."""
+        ...
+
+
+class _SegmentLog:
+    """Thread-safe list of the sweep's pack segments, in the order they ended."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.segments: list[PackSegment] = []
+
+    def pack_segment(self, segment: PackSegment) -> None:
+        with self._lock:
+            self.segments.append(segment)
+
+
+class NullReporter(_SegmentLog):
+    """Records pack segments only; trial runs get stand-in ids (``null-<adapter id>``)."""
+
+    def trial_started(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
+        return run_id or f"null-{request.adapter_id}"
+
+    def trial_completed(
+        self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats
+    ) -> None:
+        pass
+
+    def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None:
+        pass
+
+    def trial_failed(self, record: TrialRecord, pack_id: str, reason: str) -> None:
+        pass
+
+    def trial_abandoned(self, run_id: str) -> None:
+        pass
+
+
+class MlflowReporter(_SegmentLog):
+    """One MLflow child run per trial under the tracker's parent run.
+
+    Args:
+        tracker: the sweep's tracker (parent run started).
+        trial_params: a trial's MLflow params (its config and the sweep settings that shape it).
+    """
+
+    def __init__(self, tracker: SweepTracker, trial_params: Callable[[TrialRequest], dict[str, Any]]) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.trial_params = trial_params
+
+    def trial_started(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
+        tags = {"plora.pack_id": pack_id, "plora.trial_number": str(request.number), "plora.task": request.task}
+        if run_id is not None and self.tracker.resume_trial(run_id, tags):
+            return run_id
+        return self.tracker.start_trial(request.adapter_id, self.trial_params(request), tags)
+
+    def trial_completed(
+        self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats
+    ) -> None:
+        metric = _primary(record.request.task)
+        rows = curve_rows(record.curve) + intermediate_rows(record.intermediate, metric)
+        rows += [(metric_key(k), v, 0) for k, v in metrics.items()]
+        rows.append(("pack_tokens_per_second", stats.tokens_per_second, 0))
+        rows.append(("pack_peak_memory_gib", stats.peak_memory_bytes / 2**30, 0))
+        self.tracker.log_metrics(record.run_id, rows)
+        self.tracker.set_tags(record.run_id, _end_tags(record, "COMPLETE"))
+        self.tracker.log_adapter(record.run_id, adapter_dir)
+        self.tracker.end_trial(record.run_id)
+
+    def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None:
+        self.tracker.log_metrics(
+            record.run_id, curve_rows(record.curve) + intermediate_rows(record.intermediate, metric)
+        )
+        self.tracker.set_tags(record.run_id, {**_end_tags(record, "PRUNED"), "plora.pruned_at_step": str(step)})
+        self.tracker.end_trial(record.run_id, "KILLED")
+
+    def trial_failed(self, record: TrialRecord, pack_id: str, reason: str) -> None:
+        self.tracker.log_metrics(record.run_id, curve_rows(record.curve))
+        self.tracker.set_tags(record.run_id, {**_end_tags(record, "FAIL"), "plora.fail_reason": reason})
+        self.tracker.end_trial(record.run_id, "FAILED")
+
+    def trial_abandoned(self, run_id: str) -> None:
+        self.tracker.end_trial(run_id, "FAILED")
+
+
+def _primary(task: str) -> str:
+    from plora_hpo.tasks import get_task
+
+    return get_task(task).primary_metric
+
+
+def _end_tags(record: TrialRecord, state: str) -> dict[str, str]:
+    return {"plora.state": state, "plora.resumed_from_step": str(record.resumed_from)}
+
+
+def curve_rows(steps: list[tuple[int, float, float]]) -> list[tuple[str, float, int]]:
+    """MLflow rows of one adapter's per-step (step, loss, lr) records."""
+    return [("train_loss", loss, step) for step, loss, _ in steps] + [
+        ("learning_rate", lr, step) for step, _, lr in steps
+    ]
+
+
+def intermediate_rows(scores: list[tuple[int, float]], metric: str) -> list[tuple[str, float, int]]:
+    return [(f"intermediate_{metric_key(metric)}", value, step) for step, value in scores]
+
+
+def metric_key(lm_eval_key: str) -> str:
+    """MLflow names cannot hold commas: ``exact_match,flexible-extract`` → ``exact_match/flexible-extract``."""
+    name, _, filt = lm_eval_key.partition(",")
+    return name if filt in ("", "none") else f"{name}/{filt}"

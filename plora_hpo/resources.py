@@ -1,0 +1,65 @@
+"""What a device worker is given to train on: its base replica, task data, eval tasks, device.
+
+Built by the sweep (one :class:`DeviceResources` per worker) and handed over whole; the worker
+reads these and never reaches back into whoever built them. Importable with torch alone.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from plora_hpo.adapter import AdapterConfig
+
+if TYPE_CHECKING:
+    from plora_hpo.config import BudgetSpec
+    from plora_hpo.planner import GpuSpec
+
+
+@dataclass
+class TaskData:
+    """One task's tokenized training examples and the metric its trials are scored by."""
+
+    examples: list[Any]
+    metric: str
+
+
+@dataclass
+class DeviceResources:
+    """One worker's own copy of everything it trains and scores with.
+
+    Attributes:
+        device: where the base replica lives.
+        name: the worker's name in pack ids and logs (``cpu``, ``cuda:1``, ``cpu#2``).
+        base: the loaded base model (model, tokenizer, shape, name).
+        eval_tasks: lm-eval task objects per task (they keep per-run state: one set per worker).
+        tasks: training data per task (shared, read-only).
+        gpu: the device as the planner's cost model sees it.
+    """
+
+    device: torch.device
+    name: str
+    base: Any
+    eval_tasks: dict[str, Any]
+    tasks: dict[str, TaskData]
+    gpu: GpuSpec
+
+
+def total_steps(budget: BudgetSpec, config: AdapterConfig, train_examples: int) -> int:
+    """Optimizer steps of one trial: the budget's fixed steps, or epochs over its training set."""
+    if budget.steps is not None:
+        return budget.steps
+    return max(1, math.ceil(budget.epochs * train_examples / config.batch_size))
+
+
+def device_spec(device: torch.device) -> GpuSpec:
+    """The device as the planner's cost model sees it (the CPU host counts as one "GPU")."""
+    from plora_hpo.planner import GpuSpec
+
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return GpuSpec(props.name, props.total_memory / 2**30)
+    return GpuSpec.host()

@@ -1,0 +1,193 @@
+"""Admission policies (planner and fifo) on the H200 cost model, and the trial pool they take from."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from plora_hpo.adapter import AdapterConfig
+from plora_hpo.admission import Candidate, FifoAdmission, PlannerAdmission, Room, make_admission
+from plora_hpo.planner import CostModel, GpuSpec, Workload, resolve_model
+from plora_hpo.trials import PoolClosed, TrialPool, TrialRequest, TrialTicket
+
+GIB = 2**30
+
+
+@pytest.fixture(scope="module")
+def cost_model():
+    _, shape = resolve_model("qwen2.5-1.5b")
+    return CostModel(Workload(shape, 512, ("q_proj", "k_proj", "v_proj", "o_proj")), GpuSpec("NVIDIA H200", 141.0))
+
+
+def cfg(rank=16, batch=2, lr=2e-4, seed=0):
+    return AdapterConfig(rank, float(rank), lr, batch, seed=seed)
+
+
+def room(cost_model, members=(), slots=32, gib=None):
+    limit = 0.9 * 141.0 * GIB if gib is None else gib * GIB
+    return Room(members=tuple(members), free_slots=slots, memory_limit=limit, cost_model=cost_model)
+
+
+def test_make_admission_names_the_policy():
+    assert isinstance(make_admission("planner"), PlannerAdmission)
+    assert isinstance(make_admission("fifo"), FifoAdmission)
+
+
+def test_fifo_takes_arrival_order_up_to_the_free_slots(cost_model):
+    waiting = [Candidate(cfg(seed=i), 10) for i in range(6)]
+    assert FifoAdmission().select(waiting, room(cost_model, slots=4)) == [0, 1, 2, 3]
+
+
+def test_fifo_stops_at_the_first_trial_that_does_not_fit(cost_model):
+    small, big = cfg(batch=2), cfg(batch=32)
+    limit = cost_model.peak_memory([small, small]) / GIB * 1.001
+    waiting = [Candidate(small, 10), Candidate(big, 10), Candidate(small, 10)]
+    # the big one blocks the queue: fifo never overtakes it, even though the last small one fits
+    assert FifoAdmission().select(waiting, room(cost_model, [], gib=limit)) == [0]
+
+
+def test_an_empty_pack_always_gets_a_trial_even_one_predicted_not_to_fit(cost_model):
+    waiting = [Candidate(cfg(batch=32, rank=128), 10)]
+    tiny = room(cost_model, gib=1.0)
+    assert FifoAdmission().select(waiting, tiny) == [0]
+    assert PlannerAdmission().select(waiting, tiny) == [0]
+    # with members training, a trial that does not fit waits instead
+    assert PlannerAdmission().select(waiting, room(cost_model, [cfg()], gib=1.0)) == []
+
+
+def test_planner_refills_the_memory_that_fifo_leaves_idle(cost_model):
+    """A big member trains; the queue holds another big trial, then small ones. fifo waits for
+    the big one to fit (no overtaking) and leaves the room idle; the planner fills it."""
+    big, small = cfg(rank=128, batch=16), cfg(rank=8, batch=2)
+    waiting = [Candidate(big, 100)] + [Candidate(small, 100) for _ in range(12)]
+    limit = cost_model.peak_memory([big] + [small] * 4) / GIB * 1.001  # room for four small ones
+    r = room(cost_model, [big], gib=limit)
+    assert FifoAdmission().select(waiting, r) == []
+    planned = PlannerAdmission().select(waiting, r)
+    assert planned == [1, 2, 3, 4]  # the four earliest small ones
+    assert r.fits([waiting[i].config for i in planned])
+
+
+def test_planner_starts_the_longest_running_trials_first(cost_model):
+    waiting = [Candidate(cfg(seed=i), steps) for i, steps in enumerate([10, 50, 10, 50, 10])]
+    chosen = PlannerAdmission().select(waiting, room(cost_model, slots=2))
+    assert sorted(chosen) == [1, 3]
+
+
+def test_planner_counts_members_against_memory_and_slots(cost_model):
+    small = cfg(rank=8, batch=4)
+    limit = cost_model.peak_memory([small] * 4) / GIB * 1.001
+    waiting = [Candidate(cfg(rank=8, batch=4, seed=i), 20) for i in range(10)]
+    alone = PlannerAdmission().select(waiting, room(cost_model, gib=limit, slots=10))
+    assert len(alone) == 4
+    with_members = PlannerAdmission().select(waiting, room(cost_model, [small, small], gib=limit, slots=8))
+    assert len(with_members) == 2
+    assert PlannerAdmission().select(waiting, room(cost_model, [small], slots=1)) == [0]
+
+
+def test_planner_says_which_solver_ran_and_plans_120_trials_within_a_second(cost_model):
+    grid = [
+        (r, m * r, lr, b)
+        for r in (8, 16, 32, 64, 128)
+        for m in (0.25, 1, 4)
+        for lr in (2e-5, 1e-4, 2e-4, 4e-4)
+        for b in (2, 8)
+    ]  # paper120
+    configs = [AdapterConfig(r, a, lr, b, seed=i) for i, (r, a, lr, b) in enumerate(grid)]
+    waiting = [Candidate(c, 600 // c.batch_size) for c in configs]
+    assert len(waiting) == 120
+    policy = PlannerAdmission()
+    started = time.perf_counter()
+    chosen = policy.select(waiting, room(cost_model, slots=32))
+    assert time.perf_counter() - started < 1.0
+    assert 0 < len(chosen) <= 32
+    assert policy.last is not None and ("HiGHS" in policy.last.solver or "gurobi" in policy.last.solver.lower())
+
+
+# --- the pool -----------------------------------------------------------------------------------
+def ticket(n):
+    return TrialTicket(TrialRequest("synthetic", n, cfg(seed=n)))
+
+
+def test_pool_take_removes_exactly_what_was_chosen_and_counts_changes():
+    pool = TrialPool()
+    for n in range(4):
+        pool.put(ticket(n))
+    version = pool.version
+    taken = pool.take(lambda waiting: [3, 1])
+    assert [t.request.number for t in taken] == [3, 1]
+    assert pool.version == version + 1
+    assert [t.request.number for t in pool.take(lambda w: range(len(w)))] == [0, 2]
+    assert pool.take(lambda w: [0]) == []
+
+
+def test_two_workers_never_take_one_trial():
+    pool = TrialPool()
+    for n in range(200):
+        pool.put(ticket(n))
+    got: list[list[int]] = [[], []]
+
+    def worker(i):
+        while True:
+            taken = pool.take(lambda w: [0] if w else [])
+            if not taken:
+                return
+            got[i].append(taken[0].request.number)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got[0] + got[1]) == list(range(200))
+
+
+def test_pool_wait_gathers_until_enough_wait_or_the_timeout_and_close_wakes_it():
+    pool = TrialPool()
+    pool.put(ticket(0))
+    started = time.monotonic()
+    assert pool.wait(at_least=3, timeout=0.2) == 1
+    assert time.monotonic() - started >= 0.2
+    threading.Timer(0.1, lambda: [pool.put(ticket(n)) for n in (1, 2)]).start()
+    assert pool.wait(at_least=3, timeout=5) == 3
+    threading.Timer(0.1, pool.close).start()
+    with pytest.raises(PoolClosed):
+        pool.wait(at_least=10)
+
+
+def test_closing_the_pool_hands_back_the_waiting_and_refuses_new_ones():
+    pool = TrialPool()
+    pool.put(ticket(0))
+    assert [t.request.number for t in pool.close()] == [0]
+    late = ticket(1)
+    pool.put(late)
+    with pytest.raises(Exception, match="stopped before it started"):
+        late.wait()
+    with pytest.raises(PoolClosed):
+        pool.take(lambda w: [0])
+
+
+def test_fair_share_splits_the_pool_among_idle_devices():
+    from plora_hpo.admission import fair_share
+
+    assert fair_share(32, 120, 7) == 15  # eight devices start at once: 15 trials each
+    assert fair_share(32, 120, 0) == 32  # alone: the pack size decides
+    assert fair_share(4, 3, 3) == 1
+    assert fair_share(32, 0, 3) == 0
+
+
+def test_pool_counts_the_workers_waiting_for_trials():
+    pool = TrialPool()
+    threads = [threading.Thread(target=pool.wait, kwargs={"timeout": 5}) for _ in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 5
+    while pool.idle_workers < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.idle_workers == 3
+    pool.put(ticket(0))
+    for t in threads:
+        t.join()
+    assert pool.idle_workers == 0 and len(pool) == 1
