@@ -27,8 +27,9 @@ the task's training split: mixed budgets by batch size). Time advances to the ne
 finishing on any device; that device drops its finished members and asks its policy to refill
 from the waiting list with ``Room(members, free slots, 0.9 × GPU memory, cost model)``, as
 ``DeviceWorker.room`` builds it, naming the other devices idle at that moment (fifo then takes an
-even share of the waiting trials, the planner plans one pack per idle device at once); idle
-devices start a pack whenever trials wait.
+even share of the waiting trials; the planner plans one pack per idle device at once and the idle
+devices start the packs planned for them, as they claim the pool's reservations); idle devices
+start a pack whenever trials wait.
 Makespan: when the last trial finishes. Not modelled: out-of-memory splits (the memory correction
 stays 1), pruning, evaluation, the gather wait, host-side overheads between steps.
 
@@ -133,7 +134,8 @@ def simulate(
     busy_seconds = [0.0] * gpus
     packs_started = 0
     over_memory = 0
-    events: list[tuple[float, int]] = []
+    events: list[tuple[float, int, int]] = []  # (time, device, the device's event version)
+    version = [0] * gpus  # an event is stale once its device's composition changed again
 
     def left_room(d: int) -> bool:
         """Whether a waiting trial (one per rank and batch size) would still have fit after the decision."""
@@ -165,6 +167,17 @@ def simulate(
             picked = set(chosen)
             for k in chosen:
                 members[d][waiting[k]] = steps[waiting[k]]
+            # packs the planner made for the idle devices: each claims one (the pool's reservations)
+            idle = [e for e in range(gpus) if e != d and not members[e]]
+            for e, pack in zip(idle, last.peer_packs):
+                for k in pack:
+                    members[e][waiting[k]] = steps[waiting[k]]
+                picked.update(pack)
+                packs_started += 1
+                step_s[e] = cm.step_seconds([configs[i] for i in members[e]])
+                since[e] = now
+                version[e] += 1
+                heapq.heappush(events, (now + min(members[e].values()) * step_s[e], e, version[e]))
             waiting[:] = [t for k, t in enumerate(waiting) if k not in picked]
             decisions[-1]["left_room"] = left_room(d)
         if members[d]:
@@ -173,13 +186,16 @@ def simulate(
                 over_memory += 1
             step_s[d] = cm.step_seconds(pack)
             since[d] = now
-            heapq.heappush(events, (now + min(members[d].values()) * step_s[d], d))
+            version[d] += 1
+            heapq.heappush(events, (now + min(members[d].values()) * step_s[d], d, version[d]))
 
     started = time.perf_counter()
     for d in range(gpus):
         refill(d, 0.0)
     while events:
-        now, d = heapq.heappop(events)
+        now, d, v = heapq.heappop(events)
+        if v != version[d]:
+            continue
         ran = min(members[d].values())
         busy_seconds[d] += now - since[d]
         busy_member_seconds[d] += (now - since[d]) * len(members[d])

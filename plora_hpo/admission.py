@@ -18,7 +18,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -65,6 +65,7 @@ class Decision:
 
     solver: str
     seconds: float
+    peer_packs: list[list[int]] = field(default_factory=list)  # indices reserved for idle peers, a pack each
 
 
 class AdmissionPolicy(ABC):
@@ -112,8 +113,9 @@ class PlannerAdmission(AdmissionPolicy):
 
     A new pack while other devices also wait for trials is planned for all of them at once: the
     job planner (DTM, :class:`~plora_hpo.planner.JobPlanner`) splits the waiting trials into one
-    pack per idle device, balancing their predicted ends, and this device takes the first pack
-    (the others plan again over what is left when they ask).
+    pack per idle device, balancing their predicted ends; this device takes the first pack and
+    the others are left in :attr:`Decision.peer_packs` for the caller to reserve for the idle
+    devices, so one start follows one plan.
 
     The ILP (:class:`~plora_hpo.planner.dtm.PackSearch`, gurobipy or HiGHS) works on trial
     *types* (rank, batch size, steps), so planning 120 waiting trials solves a handful of small
@@ -140,10 +142,10 @@ class PlannerAdmission(AdmissionPolicy):
             self.last = Decision("none needed", time.perf_counter() - started)
             return []
         if room.idle_peers > 0 and not room.members:
-            chosen, solver = self._plan_for_idle_devices(waiting, room)
-            if chosen:
-                self.last = Decision(solver, time.perf_counter() - started)
-                return chosen
+            packs, solver = self._plan_for_idle_devices(waiting, room)
+            if packs:
+                self.last = Decision(solver, time.perf_counter() - started, peer_packs=packs[1:])
+                return packs[0]
         cm = room.cost_model
         slots = fair_share(room.free_slots, len(waiting), room.idle_peers)
         types: list[ConfigType] = []
@@ -180,8 +182,9 @@ class PlannerAdmission(AdmissionPolicy):
         self.last = Decision(solver, time.perf_counter() - started)
         return chosen
 
-    def _plan_for_idle_devices(self, waiting: Sequence[Candidate], room: Room) -> tuple[list[int], str]:
-        """The first pack of a DTM plan over this device and its idle peers (degree 1 each)."""
+    def _plan_for_idle_devices(self, waiting: Sequence[Candidate], room: Room) -> tuple[list[list[int]], str]:
+        """The packs of a DTM plan over this device and its idle peers (degree 1 each), this
+        device's first; each trimmed to what the cost model says fits."""
         from plora_hpo.planner.simulate import JobPlanner
 
         cm = room.cost_model
@@ -194,17 +197,18 @@ class PlannerAdmission(AdmissionPolicy):
             solver=self.solver,
         )
         planner.add_configs([c.config for c in waiting], [c.steps for c in waiting], skip_unschedulable=True)
-        packs = planner.next_packs()
-        if not packs:
-            return [], ""
-        chosen = sorted(packs[0].configs)
-        while chosen and not room.fits([waiting[i].config for i in chosen]):
-            chosen.pop()
+        packs = []
+        for pack in planner.next_packs():
+            chosen = sorted(pack.configs)
+            while chosen and not room.fits([waiting[i].config for i in chosen]):
+                chosen.pop()
+            if chosen:
+                packs.append(chosen)
         search = planner.search
         solver = ", ".join(sorted(search.solvers_used)) or "no solve needed"
         if search.solver_notes:
             solver += f" ({'; '.join(sorted(search.solver_notes))})"
-        return chosen, f"job planner over {1 + room.idle_peers} idle devices: {solver}"
+        return packs, f"job planner over {1 + room.idle_peers} idle devices: {solver}"
 
 
 def fair_share(free_slots: int, waiting: int, idle_peers: int) -> int:

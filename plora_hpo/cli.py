@@ -18,6 +18,7 @@ from plora_hpo.errors import PloraError
 
 if TYPE_CHECKING:
     from plora_hpo.config import SweepConfig
+    from plora_hpo.run_state import RunState
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -77,10 +78,13 @@ def default_storage(run_dir: Path) -> str:
 
 def run_sweep(args: argparse.Namespace) -> int:
     """Check the inputs, take the run directory, run the sweep in it."""
+    from plora_hpo.checkpoints import CheckpointStore
     from plora_hpo.config import load_sweep
     from plora_hpo.ownership import RunDirOwner
     from plora_hpo.preflight import check_sweep_inputs
+    from plora_hpo.run_state import check_resumable
     from plora_hpo.study import default_n_trials
+    from plora_hpo.sweep import checkpoint_dir
 
     config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
     n_trials = default_n_trials(config)
@@ -94,6 +98,9 @@ def run_sweep(args: argparse.Namespace) -> int:
         mlflow_uri=args.mlflow_uri,
         storage=args.storage,
     )
+    saved = check_resumable(run_dir, config, resume=args.resume)  # read-only checks of a rerun first
+    for task in config.tasks:  # a corrupt checkpoint stops the rerun before anything starts
+        CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
     run_dir_existed = run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     owner = RunDirOwner(run_dir)  # a second sweep on a live run directory stops here
@@ -104,28 +111,29 @@ def run_sweep(args: argparse.Namespace) -> int:
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
     try:
-        return _run_owned_sweep(args, config, n_trials, run_dir, run_dir_existed)
+        return _run_owned_sweep(args, config, n_trials, run_dir, run_dir_existed, saved)
     finally:
         owner.release()
 
 
 def _run_owned_sweep(
-    args: argparse.Namespace, config: SweepConfig, n_trials: int, run_dir: Path, run_dir_existed: bool
+    args: argparse.Namespace,
+    config: SweepConfig,
+    n_trials: int,
+    run_dir: Path,
+    run_dir_existed: bool,
+    saved: RunState | None,
 ) -> int:
     """The sweep in a run directory this process owns: stores, recovery, trials, summary."""
     from optuna.trial import TrialState
 
-    from plora_hpo.checkpoints import CheckpointStore
     from plora_hpo.progress import RichPackProgress
     from plora_hpo.report import print_summary
-    from plora_hpo.run_state import RunState, check_resumable
+    from plora_hpo.run_state import RunState
     from plora_hpo.study import PackedObjective, create_study, finished_trials, run_waiting_trials
-    from plora_hpo.sweep import PackedSweep, checkpoint_dir
+    from plora_hpo.sweep import PackedSweep
     from plora_hpo.tracking import SweepTracker, default_tracking_uri
 
-    saved = check_resumable(run_dir, config, resume=args.resume)
-    for task in config.tasks:  # a corrupt checkpoint stops the rerun before anything starts
-        CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
     storage = args.storage or default_storage(run_dir)
     tracker = SweepTracker(args.mlflow_uri or default_tracking_uri(run_dir), config.name, artifact_root=run_dir)
 

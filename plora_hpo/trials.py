@@ -124,15 +124,23 @@ class TrialPool:
 
     Workers do not pop in arrival order: each hands the whole waiting list to its admission
     policy and takes the trials it chose (:meth:`take`), atomically, so two workers never take
-    one trial. :attr:`version` counts changes, so a worker re-plans only when the pool changed.
+    one trial. A plan made for several idle workers at once leaves their packs reserved here
+    until each claims one (:meth:`claim`). :attr:`version` counts changes, so a worker re-plans
+    only when the pool changed.
     """
 
     def __init__(self) -> None:
         self._waiting: list[TrialTicket] = []
+        self._reserved: list[list[TrialTicket]] = []  # packs planned for idle workers, not yet claimed
         self._cond = threading.Condition()
         self._closed = False
         self._idle = 0
         self.version = 0
+
+    @property
+    def closed(self) -> bool:
+        with self._cond:
+            return self._closed
 
     @property
     def idle_workers(self) -> int:
@@ -161,7 +169,7 @@ class TrialPool:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while not self._closed and len(self._waiting) < at_least:
+            while not self._closed and not self._reserved and len(self._waiting) < at_least:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     break
@@ -174,8 +182,11 @@ class TrialPool:
                 raise PoolClosed
             return len(self._waiting)
 
-    def take(self, choose: Callable[[Sequence[TrialTicket]], Sequence[int]]) -> list[TrialTicket]:
-        """Remove and return the waiting tickets ``choose`` picks (indices into the waiting list).
+    def take(
+        self, choose: Callable[[Sequence[TrialTicket]], tuple[Sequence[int], Sequence[Sequence[int]]]]
+    ) -> list[TrialTicket]:
+        """Remove and return the waiting tickets ``choose`` picks; ``choose`` gets the waiting list
+        and returns (indices for the caller, index groups to reserve as packs for idle workers).
 
         Raises:
             PoolClosed: the sweep is closing.
@@ -185,19 +196,42 @@ class TrialPool:
                 raise PoolClosed
             if not self._waiting:
                 return []
-            picked = list(dict.fromkeys(choose(list(self._waiting))))
+            mine, groups = choose(list(self._waiting))
+            picked = list(dict.fromkeys(mine))
             taken = [self._waiting[i] for i in picked]
-            for i in sorted(picked, reverse=True):
+            seen = set(picked)
+            for group in groups:
+                group = [i for i in dict.fromkeys(group) if i not in seen]
+                seen.update(group)
+                if group:
+                    self._reserved.append([self._waiting[i] for i in group])
+            for i in sorted(seen, reverse=True):
                 del self._waiting[i]
-            if taken:
+            if seen:
                 self.version += 1
+                self._cond.notify_all()
             return taken
+
+    def claim(self) -> list[TrialTicket]:
+        """A pack reserved for an idle worker (oldest first), or ``[]``.
+
+        Raises:
+            PoolClosed: the sweep is closing.
+        """
+        with self._cond:
+            if self._closed:
+                raise PoolClosed
+            if not self._reserved:
+                return []
+            self.version += 1
+            return self._reserved.pop(0)
 
     def close(self) -> list[TrialTicket]:
         """Stop handing out trials; returns (and forgets) the ones still waiting."""
         with self._cond:
             self._closed = True
-            left, self._waiting = self._waiting, []
+            left, self._waiting = [t for group in self._reserved for t in group] + self._waiting, []
+            self._reserved = []
             self._cond.notify_all()
             return left
 

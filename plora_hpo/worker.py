@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -259,9 +259,11 @@ class _Pack:
 
         A starting pack first waits up to ``gather_seconds`` for the pool to hold a full pack.
         The room it offers names the other devices waiting for trials, so the policy can share
-        the pool among them. The policy is asked again only when the pool
-        or the pack's membership changed.
+        the pool among them. The policy is asked again only when the pool or the pack's
+        membership changed. A closed pool stops the pack here, at a step boundary.
         """
+        if self.worker.pool.closed:  # the sweep is closing: checkpoint and stop at this step boundary
+            raise _Shutdown
         self._admit_parked()
         if self.worker.parked:  # the ones that were here first do not fit yet: they go first
             return
@@ -269,17 +271,27 @@ class _Pack:
         if free <= 0:
             return
         try:
+            if not self.slots:  # a pack planned for this device while it was idle comes first
+                reserved = self.worker.pool.claim()
+                if reserved:
+                    for ticket in reserved:
+                        self._join(ticket, None)
+                    self._planned_for = (self.worker.pool.version, self._composition)
+                    return
             if gather_seconds > 0:
                 self.worker.pool.wait(at_least=free, timeout=gather_seconds)
             if self._planned_for == (self.worker.pool.version, self._composition):
                 return
             room = self.worker.room(self._configs(), idle_peers=self.worker.pool.idle_workers)
             policy = self.worker.admission
-            tickets = self.worker.pool.take(
-                lambda waiting: policy.select(
+
+            def choose(waiting: Sequence[TrialTicket]) -> tuple[list[int], list[list[int]]]:
+                mine = policy.select(
                     [Candidate(t.request.config, self.worker.total_steps(t.request)) for t in waiting], room
                 )
-            )
+                return mine, (policy.last.peer_packs if policy.last else [])
+
+            tickets = self.worker.pool.take(choose)
         except PoolClosed:
             raise _Shutdown from None
         for ticket in tickets:

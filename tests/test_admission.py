@@ -25,9 +25,11 @@ def cfg(rank=16, batch=2, lr=2e-4, seed=0):
     return AdapterConfig(rank, float(rank), lr, batch, seed=seed)
 
 
-def room(cost_model, members=(), slots=32, gib=None):
+def room(cost_model, members=(), slots=32, gib=None, idle_peers=0):
     limit = 0.9 * 141.0 * GIB if gib is None else gib * GIB
-    return Room(members=tuple(members), free_slots=slots, memory_limit=limit, cost_model=cost_model)
+    return Room(
+        members=tuple(members), free_slots=slots, memory_limit=limit, cost_model=cost_model, idle_peers=idle_peers
+    )
 
 
 def test_make_admission_names_the_policy():
@@ -116,11 +118,11 @@ def test_pool_take_removes_exactly_what_was_chosen_and_counts_changes():
     for n in range(4):
         pool.put(ticket(n))
     version = pool.version
-    taken = pool.take(lambda waiting: [3, 1])
+    taken = pool.take(lambda waiting: ([3, 1], []))
     assert [t.request.number for t in taken] == [3, 1]
     assert pool.version == version + 1
-    assert [t.request.number for t in pool.take(lambda w: range(len(w)))] == [0, 2]
-    assert pool.take(lambda w: [0]) == []
+    assert [t.request.number for t in pool.take(lambda w: (range(len(w)), []))] == [0, 2]
+    assert pool.take(lambda w: ([0], [])) == []
 
 
 def test_two_workers_never_take_one_trial():
@@ -131,7 +133,7 @@ def test_two_workers_never_take_one_trial():
 
     def worker(i):
         while True:
-            taken = pool.take(lambda w: [0] if w else [])
+            taken = pool.take(lambda w: ([0] if w else [], []))
             if not taken:
                 return
             got[i].append(taken[0].request.number)
@@ -166,7 +168,7 @@ def test_closing_the_pool_hands_back_the_waiting_and_refuses_new_ones():
     with pytest.raises(Exception, match="stopped before it started"):
         late.wait()
     with pytest.raises(PoolClosed):
-        pool.take(lambda w: [0])
+        pool.take(lambda w: ([0], []))
 
 
 def test_fair_share_splits_the_pool_among_idle_devices():
@@ -191,3 +193,28 @@ def test_pool_counts_the_workers_waiting_for_trials():
     for t in threads:
         t.join()
     assert pool.idle_workers == 0 and len(pool) == 1
+
+
+def test_a_plan_for_idle_workers_reserves_their_packs_until_claimed():
+    pool = TrialPool()
+    for n in range(6):
+        pool.put(ticket(n))
+    mine = pool.take(lambda w: ([0, 1], [[2, 3], [4]]))
+    assert [t.request.number for t in mine] == [0, 1] and len(pool) == 1
+    assert pool.wait(at_least=5, timeout=0) == 1  # a reservation wakes an idle worker at once
+    assert [t.request.number for t in pool.claim()] == [2, 3]
+    assert [t.request.number for t in pool.claim()] == [4]
+    assert pool.claim() == []
+    pool.take(lambda w: ([], [[0]]))
+    assert [t.request.number for t in pool.close()] == [5]  # reserved ones are handed back on close
+
+
+def test_planner_plans_one_pack_per_idle_device_and_leaves_the_others_for_them(cost_model):
+    waiting = [Candidate(cfg(rank=r, batch=b, seed=i), 600 // b) for i, (r, b) in enumerate([(8, 2), (64, 8)] * 12)]
+    policy = PlannerAdmission()
+    mine = policy.select(waiting, room(cost_model, slots=32, idle_peers=3))
+    packs = [mine, *policy.last.peer_packs]
+    assert 2 <= len(packs) <= 4 and all(packs)
+    flat = [i for p in packs for i in p]
+    assert len(flat) == len(set(flat))  # no trial in two devices' packs (the rest wait for later packs)
+    assert "job planner over 4 idle devices" in policy.last.solver
