@@ -176,10 +176,7 @@ class PlannerAdmission(AdmissionPolicy):
             chosen.pop()  # the ILP's linear memory views are bounds; the cost model decides
         if not chosen and not room.members:
             chosen = [max(range(len(waiting)), key=lambda i: (waiting[i].steps, -i))]
-        solver = ", ".join(sorted(search.solvers_used)) or "no solve needed"
-        if search.solver_notes:
-            solver += f" ({'; '.join(sorted(search.solver_notes))})"
-        self.last = Decision(solver, time.perf_counter() - started)
+        self.last = Decision(_solver_label(search), time.perf_counter() - started)
         return chosen
 
     def _plan_for_idle_devices(self, waiting: Sequence[Candidate], room: Room) -> tuple[list[list[int]], str]:
@@ -204,11 +201,15 @@ class PlannerAdmission(AdmissionPolicy):
                 chosen.pop()
             if chosen:
                 packs.append(chosen)
-        search = planner.search
-        solver = ", ".join(sorted(search.solvers_used)) or "no solve needed"
-        if search.solver_notes:
-            solver += f" ({'; '.join(sorted(search.solver_notes))})"
-        return packs, f"job planner over {1 + room.idle_peers} idle devices: {solver}"
+        return packs, f"job planner over {1 + room.idle_peers} idle devices: {_solver_label(planner.search)}"
+
+
+def _solver_label(search: PackSearch) -> str:
+    """Which solver answered the pack ILPs (and why it fell back, if it did)."""
+    label = ", ".join(sorted(search.solvers_used)) or "no solve needed"
+    if search.solver_notes:
+        label += f" ({'; '.join(sorted(search.solver_notes))})"
+    return label
 
 
 def fair_share(free_slots: int, waiting: int, idle_peers: int) -> int:

@@ -148,10 +148,6 @@ class TrialPool:
         with self._cond:
             return self._idle
 
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._waiting)
-
     def put(self, ticket: TrialTicket) -> None:
         with self._cond:
             if self._closed:
