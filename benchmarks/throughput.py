@@ -263,6 +263,29 @@ def timed(step, warmup: int, steps: int, device: torch.device) -> tuple[float, f
     return (time.perf_counter() - started) / steps, warm_s
 
 
+def write_start_signal(path: Path, start_at: float) -> None:
+    """Publish the common start time so that a process polling for ``path`` never reads it empty.
+
+    ``Path.write_text`` creates the file and then writes it: a worker that polls in between finds the
+    file, reads ``''`` and fails (``could not convert string to float: ''``), and the co-located row
+    is lost. Writing a temporary file and renaming it into place makes the signal appear whole.
+    """
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(repr(start_at))
+    os.replace(tmp, path)
+
+
+def read_start_signal(path: Path, deadline: float, poll_s: float = 0.005) -> float:
+    """Wait for the start signal and return its time; a file caught mid-write is read again."""
+    while True:
+        try:
+            return float(path.read_text())
+        except (FileNotFoundError, ValueError):
+            if time.time() > deadline:
+                raise TimeoutError(f"no start signal in {path}") from None
+            time.sleep(poll_s)
+
+
 def worker_main(args: argparse.Namespace) -> None:
     """One co-located PEFT process: build, warm up, wait for the common start, train for a window."""
     device = torch.device(args.device)
@@ -279,13 +302,7 @@ def worker_main(args: argparse.Namespace) -> None:
         sync(device)
         reset_peak(device)
         (sync_dir / f"ready-{args.worker_id}").write_text("1")
-        go_file = sync_dir / "go"
-        deadline = time.time() + args.wait_s
-        while not go_file.exists():
-            if time.time() > deadline:
-                raise TimeoutError("no start signal")
-            time.sleep(0.005)
-        go_at = float(go_file.read_text())
+        go_at = read_start_signal(sync_dir / "go", deadline=time.time() + args.wait_s)
         time.sleep(max(0.0, go_at - time.time()))
         steps = 0
         while time.time() < go_at + args.window_s:  # back to back, as a training loop runs
@@ -334,7 +351,7 @@ class Colocated:
         while not self.ready() and time.perf_counter() < deadline:
             time.sleep(0.05)
         startup_s = time.perf_counter() - self.started
-        (self.dir / "go").write_text(str(time.time() + 0.3))
+        write_start_signal(self.dir / "go", time.time() + 0.3)
         for p, log in self.procs:
             try:
                 p.wait(timeout=self.window_s + 60)
@@ -998,6 +1015,15 @@ class Bench:
         }
 
     # ---- summary ----
+    def _why_no_coloc(self) -> str:
+        """Why the co-located ratio is missing: the section was off, its processes failed, or no K32 row."""
+        rows = [r for r in self.rows if r["kind"] == "colocated"]
+        if not rows:
+            return "co-located section not run (--no-colocated or --sections without coloc)"
+        if not rows[0].get("tokens_per_s"):
+            return f"co-located processes failed: {str(rows[0].get('error'))[:600]}"
+        return "no packed K32 row measured (skipped for time or failed; see rows)"
+
     def find(self, name: str) -> dict | None:
         return next((r for r in self.rows if r["name"] == name and not r.get("error")), None)
 
@@ -1030,6 +1056,7 @@ class Bench:
         summary = {
             "packed32_vs_peft_b1": ratio(packed32, peft_b1),
             "packed32_vs_colocated": ratio(packed32, coloc),
+            "packed32_vs_colocated_missing": None if ratio(packed32, coloc) is not None else self._why_no_coloc(),
             "mfu_7b": packed32_7b["mfu"] if packed32_7b else None,
             "memory_prediction_error": statistics.median(abs(e) for e in mem_errors) if mem_errors else None,
             "memory_prediction_error_max": max((abs(e) for e in mem_errors), default=None),

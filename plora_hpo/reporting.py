@@ -134,12 +134,24 @@ class MlflowReporter(_SegmentLog):
         super().__init__()
         self.tracker = tracker
         self.trial_params = trial_params
+        self._logged: dict[str, dict[str, int]] = {}  # continued runs: last step already logged per metric
 
     def trial_started(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
         tags = {"plora.pack_id": pack_id, "plora.trial_number": str(request.number), "plora.task": request.task}
+        run_id = run_id or self.tracker.find_trial_run(request.adapter_id)  # one run per adapter
         if run_id is not None and self.tracker.resume_trial(run_id, tags):
+            logged = self.tracker.logged_steps(run_id)
+            if logged:
+                with self._lock:
+                    self._logged[run_id] = logged
             return run_id
         return self.tracker.start_trial(request.adapter_id, self.trial_params(request), tags)
+
+    def _log(self, run_id: str, rows: list[tuple[str, float, int]]) -> None:
+        """Log the rows a continued run does not hold yet (a retry retrains logged steps)."""
+        with self._lock:
+            logged = self._logged.pop(run_id, {})
+        self.tracker.log_metrics(run_id, [r for r in rows if r[0] not in logged or r[2] > logged[r[0]]])
 
     def trial_completed(
         self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats
@@ -149,20 +161,18 @@ class MlflowReporter(_SegmentLog):
         rows += [(metric_key(k), v, 0) for k, v in metrics.items()]
         rows.append(("pack_tokens_per_second", stats.tokens_per_second, 0))
         rows.append(("pack_peak_memory_gib", stats.peak_memory_bytes / 2**30, 0))
-        self.tracker.log_metrics(record.run_id, rows)
+        self._log(record.run_id, rows)
         self.tracker.set_tags(record.run_id, _end_tags(record, "COMPLETE"))
         self.tracker.log_adapter(record.run_id, adapter_dir)
         self.tracker.end_trial(record.run_id)
 
     def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None:
-        self.tracker.log_metrics(
-            record.run_id, curve_rows(record.curve) + intermediate_rows(record.intermediate, metric)
-        )
+        self._log(record.run_id, curve_rows(record.curve) + intermediate_rows(record.intermediate, metric))
         self.tracker.set_tags(record.run_id, {**_end_tags(record, "PRUNED"), "plora.pruned_at_step": str(step)})
         self.tracker.end_trial(record.run_id, "KILLED")
 
     def trial_failed(self, record: TrialRecord, pack_id: str, reason: str) -> None:
-        self.tracker.log_metrics(record.run_id, curve_rows(record.curve))
+        self._log(record.run_id, curve_rows(record.curve))
         self.tracker.set_tags(record.run_id, {**_end_tags(record, "FAIL"), "plora.fail_reason": reason})
         self.tracker.end_trial(record.run_id, "FAILED")
 

@@ -20,6 +20,7 @@ import optuna
 
 from plora_hpo.config import SweepConfig
 from plora_hpo.errors import ConfigError, PloraError, first_line
+from plora_hpo.grid import OrderedGridSampler
 from plora_hpo.space import SearchSpace
 from plora_hpo.sweep import PackedSweep
 from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest
@@ -32,7 +33,7 @@ def make_sampler(config: SweepConfig, space: SearchSpace) -> optuna.samplers.Bas
     """The sweep file's sampler, seeded. TPE uses the constant liar so concurrent trials differ."""
     seed = config.seed
     if config.sampler == "grid":
-        return optuna.samplers.GridSampler(space.grid(), seed=seed)
+        return OrderedGridSampler(space.grid(), seed=seed)
     if config.sampler == "tpe":
         return optuna.samplers.TPESampler(seed=seed, constant_liar=True, multivariate=True)
     if config.sampler == "gp":
@@ -97,7 +98,7 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
     After a crash or ``kill -9`` the storage still holds the in-flight trials as RUNNING and
     nothing would ever finish them; after an interrupt they are FAIL with the user attr
     ``interrupted``. Each is (told FAIL and) enqueued again as a WAITING copy with the same
-    params and user attrs plus ``retry_of``: the copy keeps the ``lineage`` and
+    params, grid point and user attrs plus ``retry_of``: the copy keeps the ``lineage`` and
     ``mlflow_run_id``, so it resumes from the checkpoint and continues the MLflow run.
     :func:`finished_trials` does not count the original. Returns the recovered trial numbers.
     """
@@ -114,7 +115,13 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
         if trial.state == optuna.trial.TrialState.RUNNING:
             _tell(study, trial.number, state=optuna.trial.TrialState.FAIL)
         user_attrs = {k: v for k, v in trial.user_attrs.items() if k != "interrupted"}
-        study.enqueue_trial(params, user_attrs={**user_attrs, "retry_of": trial.number}, skip_if_exists=False)
+        grid = {k: trial.system_attrs[k] for k in ("grid_id", "search_space") if k in trial.system_attrs}
+        retry = optuna.trial.create_trial(
+            state=optuna.trial.TrialState.WAITING,
+            system_attrs={"fixed_params": params, **grid},
+            user_attrs={**user_attrs, "retry_of": trial.number},
+        )
+        study.add_trial(retry)
     return [t.number for t in stale]
 
 

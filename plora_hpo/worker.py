@@ -38,6 +38,7 @@ from plora_hpo.engine.resume import AdapterState, abort_step, capture, restore, 
 from plora_hpo.errors import CheckpointError
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import DeviceResources, total_steps
+from plora_hpo.timeline import phase
 from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
 
 if TYPE_CHECKING:
@@ -49,6 +50,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device memory
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
+
+
+def padded_length(seq_len: int, resources: DeviceResources) -> int:
+    """The most tokens a training row can have: ``seq_len``, or the longest training example if shorter.
+
+    The engine pads a step's rows only to its longest row, so sizing packs by ``seq_len`` (512 in
+    paper120) on a task of ~100-token examples (MRPC) overstates activation memory and step time
+    several times over, and the planner packs far fewer adapters than fit.
+    """
+    longest = max((len(e.input_ids) for task in resources.tasks.values() for e in task.examples), default=seq_len)
+    return max(1, min(seq_len, longest))
 
 
 @dataclass
@@ -118,7 +130,7 @@ class DeviceWorker:
         self.cost = CostModel(
             Workload(
                 self.base.shape,
-                config.seq_len,
+                padded_length(config.seq_len, resources),
                 tuple(config.target_modules),
                 self.dtype_bytes(),
                 checkpointing=config.pack.activation_checkpointing,
@@ -173,13 +185,19 @@ class DeviceWorker:
             cost_model=self.cost,
         )
 
+    def save_checkpoint(self, request: TrialRequest, state: AdapterState, extra: dict[str, str]) -> None:
+        """Write one adapter's resumable state (``extra``: its MLflow run and adapter id)."""
+        with phase("checkpoint"):
+            self.checkpoints(request.task).save(request.lineage, state, extra)
+
     def _serve(self) -> None:
         if self.device.type == "cuda":  # Triton launches on the thread's current device
             torch.cuda.set_device(self.device)
         while True:
             if not self.parked:
                 try:
-                    self.pool.wait()
+                    with phase("idle"):
+                        self.pool.wait()
                 except PoolClosed:
                     return
             try:
@@ -198,9 +216,7 @@ class DeviceWorker:
             ticket, state = self.parked.popleft()
             request = ticket.request
             if state is not None:
-                self.checkpoints(request.task).save(
-                    request.lineage, state, {"run_id": request.run_id or "", "adapter_id": request.adapter_id}
-                )
+                self.save_checkpoint(request, state, {"run_id": request.run_id or "", "adapter_id": request.adapter_id})
             ticket.fail(TrialInterrupted(f"{request.adapter_id}: the sweep stopped; a rerun resumes it"))
 
 
@@ -279,16 +295,18 @@ class _Pack:
                     self._planned_for = (self.worker.pool.version, self._composition)
                     return
             if gather_seconds > 0:
-                self.worker.pool.wait(at_least=free, timeout=gather_seconds)
+                with phase("gather"):
+                    self.worker.pool.wait(at_least=free, timeout=gather_seconds)
             if self._planned_for == (self.worker.pool.version, self._composition):
                 return
             room = self.worker.room(self._configs(), idle_peers=self.worker.pool.idle_workers)
             policy = self.worker.admission
 
             def choose(waiting: Sequence[TrialTicket]) -> tuple[list[int], list[list[int]]]:
-                mine = policy.select(
-                    [Candidate(t.request.config, self.worker.total_steps(t.request)) for t in waiting], room
-                )
+                with phase("planner"):
+                    mine = policy.select(
+                        [Candidate(t.request.config, self.worker.total_steps(t.request)) for t in waiting], room
+                    )
                 return mine, (policy.last.peer_packs if policy.last else [])
 
             tickets = self.worker.pool.take(choose)
@@ -305,11 +323,13 @@ class _Pack:
             store = self.worker.checkpoints(request.task)
             saved_run_id, from_disk = None, state is None
             if state is None:
-                found = store.load(request.lineage)
+                with phase("checkpoint"):
+                    found = store.load(request.lineage)
                 if found is not None:
                     state, extra = found
                     saved_run_id = extra.get("run_id")
-            run_id = self.reporter.trial_started(request, saved_run_id or request.run_id, self.pack_id)
+            with phase("mlflow"):
+                run_id = self.reporter.trial_started(request, saved_run_id or request.run_id, self.pack_id)
             job = AdapterJob(
                 request.adapter_id,
                 request.config,
@@ -376,7 +396,8 @@ class _Pack:
             if self.worker.device.type == "cuda" and seconds:
                 seg.measured_peak_gib = torch.cuda.max_memory_allocated(self.worker.device) / 2**30
             if seg.steps or seg.joined:
-                self.reporter.pack_segment(seg)
+                with phase("mlflow"):
+                    self.reporter.pack_segment(seg)
             self._segment = None
         if not self.slots:
             return
@@ -417,8 +438,8 @@ class _Pack:
         except _Shutdown:  # the sweep is closing mid-pack (interrupted): keep what trained so far
             for adapter_id, slot in list(self.slots.items()):
                 if adapter_id in self.trainer.jobs:
-                    self.worker.checkpoints(slot.request.task).save(
-                        slot.request.lineage,
+                    self.worker.save_checkpoint(
+                        slot.request,
                         capture(self.trainer, adapter_id, slot.curve),
                         {"run_id": slot.run_id, "adapter_id": adapter_id},
                     )
@@ -448,7 +469,8 @@ class _Pack:
     def _step(self) -> None:
         positions = stream_positions(self.trainer)
         try:
-            reports = self.trainer.step()
+            with phase("train"):
+                reports = self.trainer.step()
         except torch.OutOfMemoryError:
             abort_step(self.trainer, positions)
             self._split_after_oom()
@@ -460,7 +482,8 @@ class _Pack:
                 self._fail(slot, report.fail_reason)
             else:
                 slot.curve.append((report.step, report.loss, report.lr))
-        self._maybe_calibrate()
+        with phase("calibrate"):
+            self._maybe_calibrate()
         self._checkpoint(list(self.trainer.jobs))
         self._prune([a for a in self.trainer.jobs if not self.trainer.is_done(a)], reports)
         self._collect_done()
@@ -482,25 +505,27 @@ class _Pack:
             every = self.config.train.checkpoint_interval(self.trainer.jobs[adapter_id].total_steps)
             if step % every == 0 and not self.trainer.is_done(adapter_id):
                 slot = self.slots[adapter_id]
-                state = capture(self.trainer, adapter_id, slot.curve)
-                self.worker.checkpoints(slot.request.task).save(
-                    slot.request.lineage, state, {"run_id": slot.run_id, "adapter_id": adapter_id}
+                self.worker.save_checkpoint(
+                    slot.request,
+                    capture(self.trainer, adapter_id, slot.curve),
+                    {"run_id": slot.run_id, "adapter_id": adapter_id},
                 )
 
     def _evaluate(self, task: str, adapter_ids: list[str], limit: int | None) -> dict[str, dict[str, float]]:
         from plora_hpo.evaluation import evaluate_adapters
 
         ev = self.config.evaluation
-        return evaluate_adapters(
-            self.worker.packed,
-            self.worker.base.tokenizer,
-            adapter_ids,
-            self.worker.resources.eval_tasks[task],
-            limit=limit,
-            batch_size=ev.batch_size,
-            max_new_tokens=ev.max_new_tokens,
-            bootstrap_iters=ev.bootstrap_iters,
-        )
+        with phase("evaluate"):
+            return evaluate_adapters(
+                self.worker.packed,
+                self.worker.base.tokenizer,
+                adapter_ids,
+                self.worker.resources.eval_tasks[task],
+                limit=limit,
+                batch_size=ev.batch_size,
+                max_new_tokens=ev.max_new_tokens,
+                bootstrap_iters=ev.bootstrap_iters,
+            )
 
     def _metric(self, task: str) -> str:
         return self.worker.resources.tasks[task].metric
@@ -538,10 +563,14 @@ class _Pack:
             metrics = self._evaluate(task, ids, self.config.evaluation.limit)
             for adapter_id in ids:
                 slot = self.slots[adapter_id]
-                adapter_dir = export_peft_adapter(
-                    self.worker.packed, adapter_id, self.worker.adapter_root / adapter_id, self.worker.base.name
-                )
-                self.reporter.trial_completed(slot, self.pack_id, metrics[adapter_id], adapter_dir, self.trainer.stats)
+                with phase("export"):
+                    adapter_dir = export_peft_adapter(
+                        self.worker.packed, adapter_id, self.worker.adapter_root / adapter_id, self.worker.base.name
+                    )
+                with phase("mlflow"):
+                    self.reporter.trial_completed(
+                        slot, self.pack_id, metrics[adapter_id], adapter_dir, self.trainer.stats
+                    )
                 outcome = self._outcome(
                     slot,
                     value=metrics[adapter_id][self._metric(task)],
@@ -571,10 +600,14 @@ class _Pack:
         )
 
     def _finish(self, slot: _Slot, outcome: TrialOutcome) -> None:
-        self.worker.checkpoints(slot.request.task).delete(slot.request.lineage)
-        self._leave(slot.request.adapter_id)
-        slot.ticket.finish(outcome)
-        self.worker.progress.trial_finished(outcome)
+        with phase("checkpoint"):
+            self.worker.checkpoints(slot.request.task).delete(slot.request.lineage)
+        with phase("leave"):
+            self._leave(slot.request.adapter_id)
+        with phase("optuna"):
+            slot.ticket.finish(outcome)
+        with phase("progress"):
+            self.worker.progress.trial_finished(outcome)
 
     # --- out of memory --------------------------------------------------------------------------
     def _split_after_oom(self) -> None:

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import optuna
 import pytest
@@ -27,16 +29,6 @@ def load(run_dir, name="crash"):
     return optuna.load_study(study_name=f"{name}-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
 
 
-def wait_for_checkpoints(directory, n, proc, timeout=300.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the sweep ended before it could be killed"
-        if len(list(directory.glob("t*.pt"))) >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"no {n} checkpoints in {directory} after {timeout} s")
-
-
 def test_kill_9_then_rerun_resumes_in_flight_trials_from_checkpoints(tmp_path):
     sweep_file = small_sweep(
         tmp_path, name="crash", budget={"steps": STEPS}, train={"lr_schedule": "cosine", "checkpoint_every": EVERY}
@@ -44,18 +36,8 @@ def test_kill_9_then_rerun_resumes_in_flight_trials_from_checkpoints(tmp_path):
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "runs"
     assert main(["sweep", str(sweep_file), "--run-dir", str(reference_dir)]) == 0
 
-    log = (tmp_path / "killed.log").open("w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "plora_hpo.cli", "sweep", str(sweep_file), "--run-dir", str(run_dir)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        wait_for_checkpoints(run_dir / "checkpoints" / "crash-synthetic", 4, proc)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    checkpoints = run_dir / "checkpoints" / "crash-synthetic"
+    run_until_killed(sweep_file, run_dir, tmp_path / "killed.log", lambda: len(list(checkpoints.glob("t*.pt"))) >= 4)
     assert [t.state for t in load(run_dir).trials] == [TrialState.RUNNING] * 4
 
     assert main(["sweep", str(sweep_file), "--run-dir", str(run_dir), "--resume"]) == 0
@@ -86,3 +68,89 @@ def test_kill_9_then_rerun_resumes_in_flight_trials_from_checkpoints(tmp_path):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
         assert steps == list(range(1, STEPS + 1))  # the whole curve, the part before the crash included
     assert not list((run_dir / "checkpoints" / "crash-synthetic").glob("t*.pt"))  # removed once finished
+
+
+def completed(run_dir) -> int:
+    """COMPLETE trials in the run's study, read straight from its sqlite file while a sweep writes."""
+    with sqlite3.connect(run_dir / "optuna.db", timeout=30) as db:
+        try:
+            return db.execute("SELECT count(*) FROM trials WHERE state = 'COMPLETE'").fetchone()[0]
+        except sqlite3.OperationalError:  # the sweep has not created its tables yet
+            return 0
+
+
+def run_until_killed(sweep_file, run_dir, log_path, ready, timeout=300.0) -> None:
+    """Start the CLI sweep in its own process group and ``kill -9`` the group once ``ready()``."""
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "plora_hpo.cli", "sweep", str(sweep_file), "--run-dir", str(run_dir)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            deadline = time.monotonic() + timeout
+            while not ready():
+                assert proc.poll() is None, f"the sweep ended before it could be killed: {log_path.read_text()}"
+                assert time.monotonic() < deadline, f"not ready after {timeout} s"
+                time.sleep(0.05)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def assert_each_grid_point_held_once(run_dir, name) -> None:
+    """No two live or finished trials share a grid point (a retried original and its retry share one)."""
+    trials = load(run_dir, name).trials
+    retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+    held = [t.system_attrs["grid_id"] for t in trials if t.number not in retried and "grid_id" in t.system_attrs]
+    assert len(held) == len(set(held)), f"grid ids {held}"
+
+
+def test_three_kill_9s_then_finish_equal_an_uninterrupted_run(tmp_path):
+    name, steps = "kills", 12
+    space = {
+        "rank": {"choices": [8, 16]},
+        "alpha_multiplier": {"choices": [1]},
+        "learning_rate": {"choices": [2e-5, 4e-4]},
+        "batch_size": {"choices": [2, 4]},
+    }
+    # 8 grid points, 4 at a time; the default cadence checkpoints every 3 of the 12 steps
+    sweep_file = small_sweep(tmp_path, name=name, space=space, budget={"steps": steps})
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "runs"
+    assert main(["sweep", str(sweep_file), "--run-dir", str(reference_dir)]) == 0
+    checkpoints = run_dir / "checkpoints" / f"{name}-synthetic"
+
+    # killed mid-training, again right after the first trial finished, again after one more did
+    run_until_killed(sweep_file, run_dir, tmp_path / "1.log", lambda: len(list(checkpoints.glob("t*.pt"))) >= 2)
+    assert TrialState.RUNNING in [t.state for t in load(run_dir, name).trials]  # in-flight work to resume
+    run_until_killed(sweep_file, run_dir, tmp_path / "2.log", lambda: completed(run_dir) >= 1)
+    assert_each_grid_point_held_once(run_dir, name)
+    done = completed(run_dir)
+    run_until_killed(sweep_file, run_dir, tmp_path / "3.log", lambda: completed(run_dir) > done)
+    assert_each_grid_point_held_once(run_dir, name)
+    assert main(["sweep", str(sweep_file), "--run-dir", str(run_dir)]) == 0
+
+    trials = load(run_dir, name).trials
+    finished = [t for t in trials if t.state == TrialState.COMPLETE]
+    assert len(finished) == 8 and sorted(t.system_attrs["grid_id"] for t in finished) == list(range(8))
+    assert {t.state for t in trials if t not in finished} <= {TrialState.FAIL}  # each one retried
+    reference = {tuple(sorted(t.params.items())): t for t in load(reference_dir, name).trials}
+    assert len(reference) == 8
+    for trial in finished:
+        same = reference.pop(tuple(sorted(trial.params.items())))
+        assert trial.value == same.value
+        # to rounding: a resumed adapter trains its later steps next to other pack members
+        assert trial.user_attrs["final_train_loss"] == pytest.approx(same.user_attrs["final_train_loss"], rel=1e-5)
+    assert not reference  # every grid point trained, none twice
+
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    children = {r.info.run_id: r for r in runs if r.data.tags.get("plora.kind") == "trial"}
+    assert len(children) == 8 and {r.info.status for r in children.values()} == {"FINISHED"}
+    for trial in finished:
+        run = children[trial.user_attrs["mlflow_run_id"]]
+        assert run.info.run_name == Path(trial.user_attrs["adapter_dir"]).name  # one name per lineage
+        history = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+        assert history == list(range(1, steps + 1))  # one point per step across the kills
+    assert not list(checkpoints.glob("t*.pt"))

@@ -1,6 +1,5 @@
 """Tracking outages against a real ``mlflow server``: queue while it is down, deliver in order when it
-returns, or write everything to a local fallback store when it never does; orphan runs of a killed
-sweep are closed on the rerun."""
+returns, or write everything to a local fallback store when it never does."""
 
 from __future__ import annotations
 
@@ -86,7 +85,7 @@ def _log_trial(t: _Timed, tmp_path: Path, i: int, run_id: str | None, first_step
 
 
 def test_outage_is_queued_and_delivered_in_order_when_the_server_returns(server, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="plora_hpo.tracking")
+    caplog.set_level(logging.WARNING, logger="plora_hpo")
     tracker = SweepTracker(
         server.uri, "outage", artifact_root=tmp_path / "run", retry_interval_s=0.2, max_retry_interval_s=0.5
     )
@@ -147,7 +146,7 @@ def test_outage_is_queued_and_delivered_in_order_when_the_server_returns(server,
 
 
 def test_server_that_never_returns_leaves_everything_in_a_local_fallback_store(server, tmp_path, caplog):
-    caplog.set_level(logging.WARNING, logger="plora_hpo.tracking")
+    caplog.set_level(logging.WARNING, logger="plora_hpo")
     run_dir = tmp_path / "run"
     tracker = SweepTracker(server.uri, "gone", artifact_root=run_dir, finish_grace_s=2.0, retry_interval_s=0.2)
     tracker.check_reachable()
@@ -205,34 +204,6 @@ def test_server_that_never_returns_leaves_everything_in_a_local_fallback_store(s
     client = MlflowClient(server.uri)
     assert client.get_run(complete).info.status == "FINISHED"
     assert [m.step for m in client.get_metric_history(half, "train_loss")] == [1, 2, 3, 4, 5]
-
-
-def test_close_orphan_runs_of_a_killed_sweep(tmp_path):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    killed = SweepTracker(uri, "demo")
-    killed.start("demo", {})
-    orphan = killed.start_trial("t0", {"rank": 8}, {})  # the process dies here: nothing is closed
-    done = killed.start_trial("t1", {"rank": 8}, {})
-    killed.end_trial(done)
-    elsewhere = SweepTracker(uri, "another-sweep")
-    elsewhere.start("another", {})
-
-    rerun = SweepTracker(uri, "demo")
-    parent = rerun.start("demo", {})
-    live = rerun.start_trial("t2", {"rank": 8}, {})
-    kept = killed.start_trial("t3", {"rank": 8}, {})
-    closed = rerun.close_orphan_runs(keep={kept})
-
-    assert sorted(closed) == sorted([killed.parent_run_id, orphan])
-    client = MlflowClient(uri)
-    for run_id in closed:
-        run = client.get_run(run_id)
-        assert run.info.status == "KILLED"
-        assert "killed" in run.data.tags["plora.closed_reason"] and parent in run.data.tags["plora.closed_reason"]
-    assert client.get_run(done).info.status == "FINISHED"
-    for run_id in (parent, live, kept, elsewhere.parent_run_id):  # this sweep's own, kept, other experiments
-        assert client.get_run(run_id).info.status == "RUNNING"
-    assert rerun.close_orphan_runs(keep={kept}) == []
 
 
 @pytest.mark.slow

@@ -1,0 +1,722 @@
+"""The real sweep on one GPU against what users run today, in one call, with a timeline of the sweep.
+
+Three ways to run the same trials (same configs, training data, step budget and evaluation):
+
+* ``sweep``: the real CLI, ``plora-hpo sweep`` (Optuna grid sampler over paper120's space, the
+  planner, the packed engine with Triton kernels, batched lm-eval scoring, MLflow sqlite store,
+  checkpoints, PEFT export), run as a subprocess exactly as a user runs it;
+* ``sequential``: an Optuna study whose objective trains one PEFT LoRA adapter on the Hugging Face
+  model with torch AdamW (same schedule, clipping and data order) and scores it with lm-eval's
+  ``HFLM(pretrained=<model dir>, peft=<adapter dir>)`` -- one trial at a time;
+* ``colocated``: K such trial processes sharing the GPU at once (fractional-GPU schedulers such as
+  Ray Tune do this), K chosen to fit the GPU's memory.
+
+The baselines take longer than one device call allows for 32 configs, so they run a subset of the
+sweep's configs (spread over batch sizes and ranks) and the JSON says which numbers are measured
+and which are extrapolated to all configs (``measured`` / ``extrapolated`` keys, never mixed).
+
+The sweep runs with ``PLORA_HPO_TIMELINE`` set, so its worker writes every phase (training,
+evaluation, export, checkpoint, MLflow, planner, Optuna hand-off, waiting) with wall-clock times;
+GPU utilisation is sampled through NVML meanwhile. The JSON and a PNG timeline go under ``$OUT``;
+a short table is printed last.
+
+Device (from the repository root, wheels from ``benchmarks/gpu_wheels.py`` in ``.whl``, MRPC in a
+data folder)::
+
+    python3 benchmarks/sweep_e2e.py --data-dir .device_data --tokenizer .whl/tokenizer 2>&1 | tee $OUT/log.txt
+
+(filter its output only with ``grep --line-buffered``: a block-buffered pipe loses everything if the
+call is cut short). The sweep's own log and its phase timeline are written under ``$OUT`` as they
+happen, so a cut-short call still returns them.
+
+CPU smoke run (a tiny random model, a few steps, every code path)::
+
+    python benchmarks/sweep_e2e.py --smoke --data-dir ../shared/data --tokenizer .whl/tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import itertools
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: F401  (plora_hpo importable from a bare checkout)
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_SHIM = (
+    "import sys; sys.path.insert(0, {bench!r}); import _bootstrap; "
+    "from plora_hpo.cli import main; sys.exit(main(sys.argv[1:]))"
+)
+SEGMENT_KEYS = ("pack_id", "start", "end", "steps", "measured_step_seconds", "predicted_step_seconds",
+                "measured_peak_gib", "predicted_peak_gib", "solver", "plan_seconds")  # fmt: skip
+PHASES = ["train", "evaluate", "export", "checkpoint", "mlflow", "planner", "calibrate", "optuna", "gather", "idle"]
+COLORS = {
+    "train": "#2b8a3e",
+    "evaluate": "#1971c2",
+    "export": "#f08c00",
+    "checkpoint": "#e8590c",
+    "mlflow": "#9c36b5",
+    "planner": "#c2255c",
+    "calibrate": "#868e96",
+    "optuna": "#5c940d",
+    "gather": "#adb5bd",
+    "idle": "#dee2e6",
+    "leave": "#495057",
+    "progress": "#495057",
+    "loop": "#ced4da",
+    "startup": "#fab005",
+    "shutdown": "#fd7e14",
+}
+
+
+# --- environment -------------------------------------------------------------------------------
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    names = ("torch", "triton", "transformers", "peft", "optuna", "mlflow-skinny", "lm-eval", "highspy", "gurobipy")
+    for name in names:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def device_info() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"device": "cpu", "gpu": None, "gpu_memory_gib": None}
+    props = torch.cuda.get_device_properties(0)
+    return {"device": "cuda", "gpu": props.name, "gpu_memory_gib": props.total_memory / 2**30}
+
+
+class GpuSampler:
+    """Samples NVML's GPU utilisation (share of time a kernel ran) every ``period`` seconds."""
+
+    def __init__(self, period: float = 0.1) -> None:
+        self.period, self.samples, self._stop = period, [], threading.Event()
+        self.handle = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # no GPU or no NVML: no samples, said so in the JSON
+            self.nvml = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
+            mem = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
+            self.samples.append((time.time(), util.gpu, mem.used / 2**30))
+            self._stop.wait(self.period)
+
+    def __enter__(self) -> GpuSampler:
+        if self.handle is not None:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self.handle is not None:
+            self._thread.join()
+
+    def mean_util(self, start: float, end: float) -> float | None:
+        vals = [u for t, u, _ in self.samples if start <= t <= end]
+        return sum(vals) / len(vals) / 100 if vals else None
+
+    def peak_gib(self, start: float, end: float) -> float | None:
+        vals = [m for t, _, m in self.samples if start <= t <= end]
+        return max(vals) if vals else None
+
+
+# --- the model: random weights at a real shape, saved with a real tokenizer --------------------------
+def make_model_dir(shape_name: str, tokenizer_dir: Path, out: Path, device: str, smoke: bool) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from plora_hpo.models import random_config
+    from plora_hpo.shapes import ModelShape, shape_by_name
+
+    started = time.perf_counter()
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    shape = ModelShape("llama", 64, 128, 2, 4, 2, len(tokenizer), True) if smoke else shape_by_name(shape_name)
+    if shape.vocab < len(tokenizer):
+        raise SystemExit(f"error: {shape_name}'s vocabulary {shape.vocab} < the tokenizer's {len(tokenizer)}")
+    config = random_config(shape)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model_params = list(model.parameters())
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return {
+        "shape": "tiny (smoke)" if smoke else shape_name,
+        "parameters_b": sum(p.numel() for p in model_params) / 1e9,
+        "tokenizer": "SmolLM2-135M (embedded model's)",
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def write_sweep_file(path: Path, model_dir: Path, task: str, steps: int, n_trials: int, pack: int, ev: dict) -> Path:
+    import yaml
+
+    base = yaml.safe_load((ROOT / "search_spaces" / "paper120.yaml").read_text())
+    base.update(
+        name=f"e2e-{task}",
+        model=str(model_dir),
+        tasks=[task],
+        budget={"steps": steps},
+        n_trials=n_trials,
+        pack={"size": pack},
+        evaluation=ev,
+    )
+    path.write_text(yaml.safe_dump(base, sort_keys=False))
+    return path
+
+
+# --- 1. the real sweep --------------------------------------------------------------------------
+def run_sweep(args, sweep_file: Path, run_dir: Path, sampler: GpuSampler, timeout_s: float) -> dict:
+    timeline = args.out / "timeline.jsonl"  # under $OUT: a call cut short still returns the phases so far
+    timeline.unlink(missing_ok=True)
+    argv = ["sweep", str(sweep_file), "--run-dir", str(run_dir), "--data-dir", str(args.data_dir)]
+    cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
+    env = {**os.environ, "PLORA_HPO_TIMELINE": str(timeline), "PYTHONUNBUFFERED": "1"}
+    log_path = args.out / "sweep.log"
+    print(f"[sweep] plora-hpo {' '.join(shlex.quote(a) for a in argv)}", flush=True)
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+    end = time.time()
+    tail = log_path.read_text()[-3000:]
+    result = {
+        "command": "plora-hpo " + " ".join(shlex.quote(a) for a in argv),
+        "returncode": proc.returncode,
+        "wall_s": end - start,
+        "start": start,
+        "end": end,
+        "log_tail": tail if proc.returncode else tail[-800:],
+        "gpu_util_mean": sampler.mean_util(start, end),
+        "gpu_peak_used_gib": sampler.peak_gib(start, end),
+    }
+    print(f"[sweep] rc={proc.returncode} wall {end - start:.1f}s", flush=True)
+    if proc.returncode != 0:
+        print(tail, flush=True)
+        return result
+    result["trials"] = read_trials(run_dir, sweep_file, start)
+    events = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
+    result["timeline"] = summarize_timeline(events, start, end)
+    result["events"] = events
+    packs = run_dir / "packs" / "packs.json"
+    if packs.exists():
+        segs = json.loads(packs.read_text())
+        segs = segs.get("segments", segs) if isinstance(segs, dict) else segs
+        result["pack_segments"] = [
+            {k: s.get(k) for k in SEGMENT_KEYS} | {"members": len(s.get("members") or [])} for s in segs
+        ]
+    return result
+
+
+def read_trials(run_dir: Path, sweep_file: Path, start: float) -> list[dict]:
+    import optuna
+
+    from plora_hpo.config import load_sweep
+
+    config = load_sweep(sweep_file)
+    storage = f"sqlite:///{run_dir / 'optuna.db'}"
+    names = optuna.get_all_study_names(storage)
+    name = next(n for n in names if n.endswith(config.tasks[0]))
+    study = optuna.load_study(study_name=name, storage=storage)
+    out = []
+    for t in study.trials:
+        done = t.datetime_complete.timestamp() if t.datetime_complete else None
+        out.append(
+            {
+                "number": t.number,
+                "state": t.state.name,
+                "params": t.params,
+                "value": t.value,
+                "final_train_loss": t.user_attrs.get("final_train_loss"),
+                "completed_at_s": None if done is None else done - start,
+            }
+        )
+    return out
+
+
+def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
+    """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
+    background = [e for e in events if e["thread"].endswith("-checkpoints")]
+    events = [e for e in events if not e["thread"].endswith("-checkpoints")]
+    if not events:
+        return {"note": "no timeline events (PLORA_HPO_TIMELINE not honoured?)"}
+    bounds = sorted({e["start"] for e in events} | {e["end"] for e in events})
+    seconds: dict[str, float] = {}
+    for a, b in itertools.pairwise(bounds):
+        mid = (a + b) / 2
+        active = [e for e in events if e["start"] <= mid < e["end"]]
+        name = min(active, key=lambda e: e["end"] - e["start"])["phase"] if active else "loop"
+        seconds[name] = seconds.get(name, 0.0) + (b - a)
+    first, last = bounds[0], bounds[-1]
+    seconds["startup"] = first - start
+    seconds["shutdown"] = end - last
+    wall = end - start
+    steps = [e["end"] - e["start"] for e in events if e["phase"] == "train"]
+    warm = sorted(steps[2:]) if len(steps) > 3 else sorted(steps)
+    return {
+        "wall_s": wall,
+        "seconds": {k: round(v, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])},
+        "fraction": {k: round(v / wall, 4) for k, v in seconds.items()},
+        "background_checkpoint_write_s": round(sum(e["end"] - e["start"] for e in background), 3),
+        "background_checkpoint_writes": len(background),
+        "train_steps": len(steps),
+        "step_seconds_median": warm[len(warm) // 2] if warm else None,
+        "step_seconds_first": steps[0] if steps else None,
+        "note": "exclusive wall seconds of the worker thread by innermost phase; 'loop' = in a pack, no phase; "
+        "'startup' = process start to the worker's first phase (imports, model load, data, study); "
+        "'shutdown' = the worker's last phase to process exit; background_checkpoint_write_s: the checkpoint "
+        "writer thread's torch.save time, overlapping the worker's phases",
+    }
+
+
+# --- 2./3. the PEFT baselines ---------------------------------------------------------------------
+def peft_trial(params: dict, setup: dict) -> dict:
+    """One trial as a user runs it: HF model + PEFT LoRA + torch AdamW, then lm-eval HFLM with the adapter."""
+    import torch
+    from lm_eval.evaluator import evaluate
+    from lm_eval.models.huggingface import HFLM
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
+
+    from plora_hpo.engine.batching import DataStream
+    from plora_hpo.evaluation.runner import FEWSHOT_SEED, _tasks
+    from plora_hpo.tasks import build_eval_tasks, get_task, load_train_examples
+
+    device = setup["device"]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    timings = {}
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(setup["model_dir"], dtype=dtype).to(device)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(setup["model_dir"])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    examples = load_train_examples(setup["task"], tokenizer, seq_len=setup["seq_len"], data_dir=setup["data_dir"])
+    rank = int(params["rank"])
+    alpha = rank * float(params["alpha_multiplier"])
+    lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=setup["targets"], lora_dropout=0.0, bias="none")
+    model = get_peft_model(model, lora)
+    for p in model.parameters():  # PEFT keeps the adapter in the base dtype; the sweep trains fp32 masters
+        if p.requires_grad:
+            p.data = p.data.float()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=float(params["learning_rate"]), weight_decay=0.0, fused=device == "cuda")
+    steps = setup["steps"]
+    sched = get_linear_schedule_with_warmup(opt, 0, steps)
+    stream = DataStream(examples, seed=setup.get("seed", 0))
+    timings["setup_s"] = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    losses = []
+    model.train()
+    for _ in range(steps):
+        batch = stream.take(int(params["batch_size"]))
+        width = max(len(e.input_ids) for e in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, e in enumerate(batch):
+            ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
+            labels[i, : len(e.labels)] = torch.tensor(e.labels)
+            mask[i, : len(e.input_ids)] = 1
+        with torch.autocast(device_type=device, dtype=dtype, enabled=device == "cuda"):
+            out = model(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+    timings["train_s"] = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    adapter_dir = Path(tempfile.mkdtemp(prefix="peft-adapter-"))
+    model.save_pretrained(adapter_dir)
+    del model, opt
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    timings["save_s"] = time.perf_counter() - t2
+    t3 = time.perf_counter()
+    lm = HFLM(
+        pretrained=setup["model_dir"],
+        peft=str(adapter_dir),
+        dtype="bfloat16" if device == "cuda" else "float32",
+        device=device,
+        batch_size=setup["eval_batch_size"],
+    )
+    task_dict = build_eval_tasks(setup["task"], data_dir=setup["data_dir"])
+    for task in _tasks(task_dict):
+        task.set_fewshot_seed(seed=FEWSHOT_SEED)
+    res = evaluate(lm=lm, task_dict=task_dict, limit=setup["eval_limit"], bootstrap_iters=0)
+    spec = get_task(setup["task"])
+    value = res["results"][spec.lm_eval_task][spec.primary_metric]
+    del lm
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    timings["eval_s"] = time.perf_counter() - t3
+    timings["total_s"] = time.perf_counter() - t0
+    return {"params": params, "value": value, "final_train_loss": losses[-1], **timings}
+
+
+def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler) -> dict:
+    """Sequential Optuna trials: the configs enqueued, one PEFT trial at a time."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=0))
+    for c in configs:
+        study.enqueue_trial(c)
+    rows = []
+
+    def objective(trial: optuna.Trial) -> float:
+        params = {
+            "rank": trial.suggest_categorical("rank", [8, 16, 32, 64, 128]),
+            "alpha_multiplier": trial.suggest_categorical("alpha_multiplier", [0.25, 1, 4]),
+            "learning_rate": trial.suggest_categorical("learning_rate", [2.0e-5, 1.0e-4, 2.0e-4, 4.0e-4]),
+            "batch_size": trial.suggest_categorical("batch_size", [2, 8]),
+        }
+        row = peft_trial(params, setup)
+        rows.append(row)
+        print(f"[sequential] {params} value={row['value']:.4f} total {row['total_s']:.1f}s", flush=True)
+        return row["value"]
+
+    start = time.time()
+    study.optimize(objective, n_trials=len(configs))
+    end = time.time()
+    return {
+        "measured": {"trials": rows, "wall_s": end - start, "configs": len(configs)},
+        "gpu_util_mean": sampler.mean_util(start, end),
+    }
+
+
+def colocated_worker(args) -> None:
+    """One co-located trial process: runs its configs one after another, writes their rows."""
+    spec = json.loads(Path(args.worker_spec).read_text())
+    rows = []
+    for params in spec["configs"]:
+        try:
+            rows.append(peft_trial(params, spec["setup"]))
+        except Exception as exc:
+            rows.append({"params": params, "error": f"{type(exc).__name__}: {str(exc)[:400]}"})
+    Path(spec["out"]).write_text(json.dumps({"rows": rows, "end": time.time()}))
+
+
+def run_colocated(configs: list[dict], k: int, setup: dict, sampler: GpuSampler, work: Path) -> dict:
+    """K processes at once, configs dealt round-robin; makespan = launch to the last exit."""
+    procs = []
+    start = time.time()
+    for i in range(k):
+        spec = {"configs": configs[i::k], "setup": setup, "out": str(work / f"coloc-{i}.json")}
+        (work / f"coloc-spec-{i}.json").write_text(json.dumps(spec))
+        log = open(work / f"coloc-{i}.log", "w")  # noqa: SIM115 - closed below
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--colocated-worker", str(work / f"coloc-spec-{i}.json")]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+    for p, log in procs:
+        p.wait()
+        log.close()
+    end = time.time()
+    rows, errors = [], []
+    for i in range(k):
+        path = work / f"coloc-{i}.json"
+        if path.exists():
+            rows += json.loads(path.read_text())["rows"]
+        else:
+            errors.append(f"process {i}: {(work / f'coloc-{i}.log').read_text()[-600:]}")
+    errors += [r["error"] for r in rows if "error" in r]
+    print(f"[colocated] K={k} {len(configs)} configs: {end - start:.1f}s, errors: {len(errors)}", flush=True)
+    return {
+        "K": k,
+        "measured": {"trials": rows, "wall_s": end - start, "configs": len(configs)},
+        "errors": errors,
+        "gpu_util_mean": sampler.mean_util(start, end),
+        "gpu_peak_used_gib": sampler.peak_gib(start, end),
+    }
+
+
+def spread(trials: list[dict], n: int) -> list[dict]:
+    """``n`` of the sweep's configs spread over (batch size, rank), so their mean time is representative."""
+    done = sorted(
+        (t for t in trials if t["state"] == "COMPLETE"),
+        key=lambda t: (t["params"]["batch_size"], t["params"]["rank"], t["number"]),
+    )
+    if n >= len(done):
+        return [t["params"] for t in done]
+    idx = [round(i * (len(done) - 1) / max(1, n - 1)) for i in range(n)]
+    return [done[i]["params"] for i in idx]
+
+
+# --- report -------------------------------------------------------------------------------------
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sweep = result["sweep"]
+    start, events = sweep["start"], sweep.get("events", [])
+    fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
+    names = [p for p in [*PHASES, "leave", "progress"] if any(e["phase"] == p for e in events)]
+    for row, name in enumerate(names):
+        spans = [(e["start"] - start, e["end"] - e["start"]) for e in events if e["phase"] == name]
+        ax.broken_barh(spans, (row - 0.4, 0.8), color=COLORS.get(name, "k"))
+    first = min((e["start"] for e in events), default=start) - start
+    ax.broken_barh([(0, first)], (len(names) - 0.4, 0.8), color=COLORS["startup"])
+    ax.set_yticks(range(len(names) + 1), [*names, "startup"])
+    for t in sweep.get("trials", []):
+        if t.get("completed_at_s") is not None:
+            ax.axvline(t["completed_at_s"], color="k", alpha=0.15, lw=0.8)
+    ax.set_title(f"plora-hpo sweep timeline ({result['workload']}); thin lines: trials completed")
+    samples = result.get("gpu_samples") or []
+    if samples:
+        ax2.plot([s[0] - start for s in samples], [s[1] for s in samples], lw=0.8)
+    ax2.set_ylabel("GPU util %")
+    ax2.set_xlabel("seconds since the sweep command started")
+    ax2.set_xlim(0, sweep["wall_s"])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def summarize(result: dict, n_configs: int) -> dict:
+    sweep = result["sweep"]
+    out: dict = {"sweep_makespan_s": sweep.get("wall_s")}
+    trials = {json.dumps(t["params"], sort_keys=True): t for t in sweep.get("trials", [])}
+    for kind in ("sequential", "colocated"):
+        b = result.get(kind)
+        if not b or not b["measured"]["trials"]:
+            out[f"{kind}_vs_sweep"] = None
+            continue
+        ok = [r for r in b["measured"]["trials"] if "error" not in r]
+        measured_wall = b["measured"]["wall_s"]
+        if kind == "sequential":
+            per = measured_wall / len(ok) if ok else math.nan
+            extrapolated = per * n_configs
+            how = f"measured {len(ok)} configs back to back ({measured_wall:.1f}s); x {n_configs}/{len(ok)}"
+        else:
+            waves = math.ceil(n_configs / b["K"])
+            measured_waves = math.ceil(b["measured"]["configs"] / b["K"])
+            extrapolated = measured_wall / measured_waves * waves
+            how = f"measured {measured_waves} wave(s) of K={b['K']} ({measured_wall:.1f}s); x {waves} waves"
+        b["extrapolated"] = {"makespan_s": extrapolated, "configs": n_configs, "how": how}
+        out[f"{kind}_makespan_s_extrapolated"] = extrapolated
+        out[f"{kind}_vs_sweep"] = extrapolated / sweep["wall_s"] if sweep.get("wall_s") else None
+        pairs = []
+        for r in ok:
+            t = trials.get(json.dumps(r["params"], sort_keys=True))
+            if t is not None and t["value"] is not None:
+                pairs.append(
+                    {"params": r["params"], "sweep": t["value"], kind: r["value"],
+                     "sweep_loss": t.get("final_train_loss"), f"{kind}_loss": r.get("final_train_loss")}
+                )  # fmt: skip
+        b["per_trial"] = pairs
+        if pairs:
+            out[f"{kind}_value_abs_diff_max"] = max(abs(p["sweep"] - p[kind]) for p in pairs)
+    tl = sweep.get("timeline", {})
+    frac = tl.get("fraction", {})
+    out["gpu_util_mean_sweep"] = sweep.get("gpu_util_mean")
+    out["timeline_train_fraction"] = frac.get("train")
+    out["timeline_eval_fraction"] = frac.get("evaluate")
+    out["step_seconds_median"] = tl.get("step_seconds_median")
+    return out
+
+
+def print_table(result: dict) -> None:
+    s = result["summary"]
+    sweep = result["sweep"]
+    print("\n=== sweep_e2e", result["workload"], "===")
+    print(f"{'what':34s} {'makespan s':>11s} {'vs sweep':>9s}  note")
+    print(f"{'plora-hpo sweep (measured)':34s} {s['sweep_makespan_s'] or float('nan'):11.1f} {1.0:9.2f}  "
+          f"rc={sweep['returncode']}, GPU util {s.get('gpu_util_mean_sweep') or float('nan'):.2f}")  # fmt: skip
+    for kind in ("sequential", "colocated"):
+        b = result.get(kind)
+        if not b:
+            print(f"{kind:34s} {'-':>11s} {'-':>9s}  not run")
+            continue
+        e = b.get("extrapolated", {})
+        label = f"{kind} (extrapolated)" if b["measured"]["configs"] < e.get("configs", 0) else f"{kind} (measured)"
+        ratio = s.get(f"{kind}_vs_sweep")
+        print(f"{label:34s} {e.get('makespan_s', float('nan')):11.1f} {ratio or float('nan'):9.2f}  {e.get('how', '')}")
+    tl = sweep.get("timeline", {})
+    if "seconds" in tl:
+        print("timeline (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl["seconds"].items()))
+    if result.get("tests"):
+        print("pytest -m gpu:", result["tests"].get("summary"))
+
+
+def run_tests(timeout_s: float) -> dict:
+    start = time.time()
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-v", "-p", "no:cacheprovider", "--tb=short"]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        out, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        raw = exc.stdout or b""
+        out, rc = raw.decode(errors="replace") if isinstance(raw, bytes) else raw, "timeout"
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    outcomes = {}
+    for ln in lines:  # -v: "tests/gpu/test_x.py::test_y PASSED [ 25%]"
+        for word in ("PASSED", "FAILED", "SKIPPED", "ERROR"):
+            if "::" in ln and f" {word}" in ln:
+                outcomes[ln.split(" ")[0].split("::")[-1]] = word
+    summary = lines[-1] if lines and rc != "timeout" else f"timed out after {timeout_s:.0f}s: {outcomes}"
+    return {"command": "python -m pytest -m gpu tests/gpu -v", "returncode": rc, "seconds": time.time() - start,
+            "outcomes": outcomes, "summary": summary, "tail": out[-3000:]}  # fmt: skip
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny random model, few steps and configs (CPU)")
+    p.add_argument("--data-dir", type=Path, default=ROOT.parent / "shared" / "data")
+    p.add_argument("--tokenizer", type=Path, default=ROOT / ".whl" / "tokenizer")
+    p.add_argument("--shape", default="qwen2.5-1.5b")
+    p.add_argument("--task", default="mrpc")
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--configs", type=int, default=32)
+    p.add_argument("--pack-size", type=int, default=32)
+    p.add_argument("--eval-limit", type=int, default=None, help="eval documents per adapter (default: all)")
+    p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--sequential", type=int, default=3, help="configs the sequential baseline measures (0: skip)")
+    p.add_argument("--colocated-k", type=int, default=8, help="co-located processes (0: skip)")
+    p.add_argument("--colocated-configs", type=int, default=8, help="configs the co-located baseline measures")
+    p.add_argument("--tests", action="store_true", help="also run pytest -m gpu first and record its result")
+    p.add_argument("--tests-timeout-s", type=float, default=240.0)
+    p.add_argument("--budget-s", type=float, default=560.0, help="skip later stages past this many seconds")
+    p.add_argument("--sweep-timeout-s", type=float, default=400.0)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--colocated-worker", default=None, dest="worker_spec", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.configs, args.pack_size = min(args.steps, 4), min(args.configs, 4), min(args.pack_size, 4)
+        args.eval_limit = args.eval_limit or 8
+        args.sequential, args.colocated_k, args.colocated_configs = min(args.sequential, 1), min(args.colocated_k, 2), 2
+    if args.out is None:
+        args.out = Path(os.environ.get("OUT") or ".")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    if args.worker_spec:
+        colocated_worker(args)
+        return
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    args.out.mkdir(parents=True, exist_ok=True)
+    began = time.time()
+    info = device_info()
+    device = "cpu" if args.smoke else info["device"]
+    work = Path(tempfile.mkdtemp(prefix="plora-e2e-"))
+    result = {
+        **info,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "command": "python3 benchmarks/sweep_e2e.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "smoke": args.smoke,
+        "workload": f"{args.task}, {args.configs} paper120 configs x {args.steps} steps, "
+        f"{'tiny' if args.smoke else args.shape} random weights, pack {args.pack_size}",
+    }
+    model_dir = work / "model"
+    result["model"] = make_model_dir(args.shape, args.tokenizer, model_dir, device, args.smoke)
+    print(f"[model] saved {result['model']['shape']} in {result['model']['seconds']:.1f}s", flush=True)
+    ev = {"batch_size": args.eval_batch_size, **({"limit": args.eval_limit} if args.eval_limit else {})}
+    sweep_file = write_sweep_file(
+        work / "sweep.yaml", model_dir, args.task, args.steps, args.configs, args.pack_size, ev
+    )
+    from plora_hpo.config import load_sweep
+
+    config = load_sweep(sweep_file)
+    result["sweep_file"] = sweep_file.read_text()
+    setup = {
+        "model_dir": str(model_dir),
+        "task": args.task,
+        "seq_len": config.seq_len,
+        "data_dir": str(args.data_dir),
+        "targets": list(config.target_modules),
+        "steps": args.steps,
+        "eval_limit": args.eval_limit,
+        "eval_batch_size": args.eval_batch_size,
+        "device": device,
+        "seed": config.seed,
+    }
+    name = "sweep-e2e-smoke" if args.smoke else f"sweep-e2e-{args.task}-h200"
+    skipped = result.setdefault("skipped", [])
+
+    def left() -> float:
+        return args.budget_s - (time.time() - began)
+
+    def save() -> None:  # after every stage: a call cut short still returns what it measured
+        result["gpu_samples"] = [(round(t, 2), u, round(m, 2)) for t, u, m in sampler.samples]
+        result["summary"] = summarize(result, args.configs)
+        result["elapsed_s"] = time.time() - began
+        if result["sweep"].get("events"):
+            plot(result, args.out / f"{name}.png")
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    with GpuSampler() as sampler:
+        if device == "cpu":
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        try:
+            result["sweep"] = run_sweep(args, sweep_file, work / "runs", sampler, min(args.sweep_timeout_s, left()))
+        except subprocess.TimeoutExpired as exc:
+            result["sweep"] = {
+                "returncode": "timeout",
+                "wall_s": None,
+                "error": f"still running after {exc.timeout:.0f}s",
+            }
+            print(f"[sweep] {result['sweep']['error']}; see sweep.log and timeline.jsonl", flush=True)
+        save()
+        trials = result["sweep"].get("trials", [])
+        if args.sequential and trials:
+            if left() > 50 * args.sequential:
+                result["sequential"] = run_sequential(spread(trials, args.sequential), setup, sampler)
+                save()
+            else:
+                skipped.append(f"sequential: {left():.0f}s of the budget left")
+        if args.colocated_k and trials:
+            if left() > 100:
+                configs = spread(trials, args.colocated_configs)
+                result["colocated"] = run_colocated(configs, args.colocated_k, setup, sampler, work)
+                save()
+            else:
+                skipped.append(f"colocated: {left():.0f}s of the budget left")
+        if args.tests:
+            if left() > 60:
+                result["tests"] = run_tests(min(args.tests_timeout_s, left() - 10))
+                print(f"[tests] {result['tests']['summary']} ({result['tests']['seconds']:.0f}s)", flush=True)
+            else:
+                skipped.append(f"tests: {left():.0f}s of the budget left")
+    save()
+    print_table(result)
+
+
+if __name__ == "__main__":
+    main()
