@@ -25,10 +25,6 @@ _lock = threading.Lock()
 _files: dict[str, object] = {}
 
 
-def enabled() -> bool:
-    return bool(os.environ.get(ENV))
-
-
 def record(name: str, start: float, end: float) -> None:
     """Append one finished phase (wall-clock seconds) to the timeline file, if one is set."""
     path = os.environ.get(ENV)

@@ -102,6 +102,7 @@ class SweepTracker:
         self.finish_grace_s = finish_grace_s
         self._remote = tracking_uri.startswith(("http://", "https://"))
         self._parent_local: str | None = None
+        self._continued = False  # the parent run is an earlier process's (resume), so trial runs may exist
         self._ids = RunIds()
         self._journal = Journal(self._ids, active=self._remote)  # only a server can go away
         self._queue = DeliveryQueue(
@@ -208,7 +209,7 @@ class SweepTracker:
         recorded its id leaves that run behind; the retry continues it instead of adding a second
         run for the same adapter. None if there is none or the store cannot say.
         """
-        if self._parent_local is None:
+        if self._parent_local is None or not self._continued:  # a new sweep has no runs to find
             return None
         parent = self.resolve(self._parent_local)
         query = f"tags.`{MLFLOW_PARENT_RUN_ID}` = '{parent}' and attributes.run_name = '{run_name}'"
@@ -317,6 +318,7 @@ class SweepTracker:
         if not self._reopen(run_id):
             return False
         self._set_parent(run_id)
+        self._continued = True
         return True
 
     def resume_trial(self, run_id: str, tags: dict[str, str]) -> bool:
