@@ -5,7 +5,7 @@ Usage (the recorded run; about a minute on 2 shared cores)::
     python benchmarks/admission.py [--out benchmarks/results/admission-cpu.json] [--quick]
         [--pack-size 32] [--adaptive-samples 1000]
 
-What it measures, and why: the sweep's device workers no longer run the job planner's whole plan;
+What it measures, and why: the sweep's device workers do not run the job planner's whole plan;
 each device keeps one pack running and asks its admission policy (``plora_hpo.admission``) which
 waiting trials join whenever the pack starts or a member finishes (continuous refill). This
 benchmark replays that worker loop as an event simulation under the calibrated H200 cost model
@@ -13,7 +13,7 @@ and compares, on the same configs and devices:
 
 * ``planner``: :class:`~plora_hpo.admission.PlannerAdmission` (the default, pack ILP, longest
   first) — its simulated makespan and the wall seconds of every admission decision on this
-  machine (the issue's goal: ≤ 1 s for 120 queued trials on 2 CPU cores), and which solver ran;
+  machine (goal: ≤ 1 s for 120 queued trials on 2 CPU cores), and which solver ran;
 * ``fifo``: :class:`~plora_hpo.admission.FifoAdmission` (arrival order, no overtaking);
 * ``plan``: the job planner's offline plan (:func:`plora_hpo.planner.plan_packs`) of the same
   configs: its makespan, its Min-GPU / Max-GPU / greedy baselines and its lower bound.
@@ -35,7 +35,7 @@ stays 1), pruning, evaluation, the gather wait, host-side overheads between step
 
 Cost model: GpuSpec H200 (139.8 GiB, the bf16 matmul rate measured in
 benchmarks/results/throughput-h200.json) with the calibration fitted on that file's packed-engine
-runs of the model (the prior, whose constants were fitted to plora_hpo/planner/reference.py's
+runs of the model (the prior, whose constants were fitted to plora_hpo/planner/peft_h200.py's
 PEFT table, when there are none); the workload is the sweep's (seq 512, seven targets, bf16, no
 micro-batching, no checkpointing), the one ``plan_packs`` builds.
 
@@ -65,8 +65,8 @@ from plora_hpo.adapter import AdapterConfig
 from plora_hpo.admission import AdmissionPolicy, Candidate, FifoAdmission, PlannerAdmission, Room
 from plora_hpo.config import load_sweep
 from plora_hpo.planner import Calibration, CostModel, GpuSpec, Workload, plan_packs, steps_for_epochs
-from plora_hpo.planner.calibrate import fit_calibration
 from plora_hpo.planner.cli import TRAIN_EXAMPLES
+from plora_hpo.planner.observations import fit_calibration
 from plora_hpo.shapes import shape_by_name
 from plora_hpo.space import SearchSpace
 from plora_hpo.study import make_sampler

@@ -1,4 +1,4 @@
-"""Multi-GPU execution check (issue 3, item 6): degree-1 packs on every GPU at once.
+"""Multi-GPU execution check: degree-1 packs on every GPU at once.
 
 Usage (a machine with ≥ 2 GPUs)::
 
@@ -25,12 +25,12 @@ folder (``train.checkpoint_every`` lies past every trial's steps, so none is wri
 training, not saves). The same 2×K trials train twice, once untimed first: on one GPU, then on
 all GPUs.
 
-Two things the workers do are replaced, since neither is what this measures (and the GPU image
-has no lm-eval): scoring a finished adapter returns NaN instead of running lm-eval, and its PEFT
-export writes nothing. A trial's reported value is its final training loss. The workers refit
-their cost model from each pack's warm steps as in a sweep; each run gets a fresh calibration
-folder (``$PLORA_HPO_CACHE``), so both start from the same prior and the machine's own
-calibration cache is left as it was.
+The workers are given a scorer and an exporter of this script's own, since neither lm-eval
+scoring nor PEFT export is what this measures (and the GPU image has no lm-eval): scoring a
+finished adapter returns NaN, and its export writes nothing. A trial's reported value is its
+final training loss. The workers refit their cost model from each pack's warm steps as in a
+sweep; each run gets a fresh calibration folder (``$PLORA_HPO_CACHE``), so both start from the
+same prior and the machine's own calibration cache is left as it was.
 
 Reported: wall time, tokens/s per run, scaling over one GPU, which device trained which trial,
 and, for every pack composition that ran long enough to calibrate the cost model on, its
@@ -55,7 +55,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (makes plora_hpo.kernels importable from a bare checkout)
@@ -138,42 +138,29 @@ def train_data(seq_len: int, vocab: int) -> dict[str, TaskData]:
     return {TASK: TaskData(examples=examples, metric=METRIC)}
 
 
-def _no_scores(packed: object, tokenizer: object, adapter_ids: list[str], task_dict: object, **_: object) -> dict:
+def no_scores(packed: object, adapter_ids: Sequence[str], task: str, limit: int | None) -> dict:
+    """The workers' scorer here: no lm-eval (see the module doc); the benchmark reads training losses."""
     return {a: {METRIC: math.nan} for a in adapter_ids}
 
 
-def _no_export(packed: object, adapter_id: str, directory: str | os.PathLike, base_model_name: str) -> Path:
-    return Path(directory)
+def no_export(packed: object, adapter_id: str, directory: Path) -> Path:
+    """The workers' exporter here: nothing is written (see the module doc)."""
+    return directory
 
 
 @contextlib.contextmanager
-def stand_ins(calibration_root: Path) -> Iterator[None]:
-    """Scoring and export replaced (see the module doc); calibrations kept under ``calibration_root``.
-
-    ``plora_hpo.evaluation.evaluate_adapters`` is set on the package itself: reading it the usual
-    way would import the lm-eval runner, which the GPU image cannot.
-    """
-    import plora_hpo.evaluation as evaluation
-    import plora_hpo.worker as worker_module
-
-    saved_scores = vars(evaluation).get("evaluate_adapters")
-    saved_export = worker_module.export_peft_adapter
-    saved_cache = os.environ.get("PLORA_HPO_CACHE")
-    evaluation.evaluate_adapters = _no_scores
-    worker_module.export_peft_adapter = _no_export
-    os.environ["PLORA_HPO_CACHE"] = str(calibration_root)
+def calibration_cache(root: Path) -> Iterator[None]:
+    """Calibrations kept under ``root`` (``$PLORA_HPO_CACHE``) for the duration, so every run
+    starts from the same prior and the machine's own cache is left as it was."""
+    saved = os.environ.get("PLORA_HPO_CACHE")
+    os.environ["PLORA_HPO_CACHE"] = str(root)
     try:
         yield
     finally:
-        if saved_scores is None:
-            del evaluation.evaluate_adapters
-        else:
-            evaluation.evaluate_adapters = saved_scores
-        worker_module.export_peft_adapter = saved_export
-        if saved_cache is None:
+        if saved is None:
             os.environ.pop("PLORA_HPO_CACHE", None)
         else:
-            os.environ["PLORA_HPO_CACHE"] = saved_cache
+            os.environ["PLORA_HPO_CACHE"] = saved
 
 
 def trials(n: int) -> list[AdapterConfig]:
@@ -222,7 +209,7 @@ def run_on(devices: list[torch.device], args: argparse.Namespace) -> dict:
         with pack_lock:
             return f"pack-{next(pack_numbers)}@{worker_name}"
 
-    with tempfile.TemporaryDirectory(prefix="plora-multi-gpu-") as tmp, stand_ins(Path(tmp) / "cache"):
+    with tempfile.TemporaryDirectory(prefix="plora-multi-gpu-") as tmp, calibration_cache(Path(tmp) / "cache"):
         workers = [
             DeviceWorker(
                 DeviceResources(device=d, name=name, base=base, eval_tasks={TASK: {}}, tasks=tasks, gpu=device_spec(d)),
@@ -235,6 +222,8 @@ def run_on(devices: list[torch.device], args: argparse.Namespace) -> dict:
                 progress=PackProgress(),
                 pack_id=pack_id,
                 clock=lambda: time.monotonic() - origin,
+                scorer=no_scores,
+                exporter=no_export,
             )
             for d, name, base in zip(devices, names, bases)
         ]

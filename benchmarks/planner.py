@@ -1,4 +1,4 @@
-"""Planner benchmark (issue 3): planning time, plan quality, and cost-model accuracy, on this CPU.
+"""Planner benchmark: planning time, plan quality, and cost-model accuracy, on this CPU.
 
 Usage::
 
@@ -12,13 +12,14 @@ Rows:
   uncalibrated prior and the default solver; paper120 is repeated with HiGHS forced;
 * ``cli``: wall seconds of ``python -m plora_hpo.planner.cli search_spaces/paper120.yaml --model
   qwen2.5-7b --gpus 8 --gpu-memory-gib 80 --json`` as a fresh process (goal ≤ 10 s);
-* ``accuracy``: cost model vs measured H200 runs — DESIGN.md §6 (eager PEFT, full logits), and
-  the packed-engine observations of benchmarks/results/throughput-h200{,-extras}.json (rows whose
-  engine settings the cost model describes). Reported for the prior and for leave-one-out
-  calibration (fit on the model's other runs, predict the held-out one). The PEFT prior's
-  constants were fitted to §6, so the §6 prior errors are in-sample;
+* ``accuracy``: cost model vs measured H200 runs — the eager PEFT table of
+  plora_hpo/planner/peft_h200.py (full logits; rows ``design-6-peft``), and the packed-engine
+  observations of benchmarks/results/throughput-h200{,-extras}.json (rows whose engine settings
+  the cost model describes). Reported for the prior and for leave-one-out calibration (fit on the
+  model's other runs, predict the held-out one). The PEFT prior's constants were fitted to that
+  table, so its prior errors are in-sample;
 * ``held_out``: packed-engine calibration fitted on the small/first packs of those runs,
-  predicting the later K 32 packs (issue 3: memory within 10%, step within 15%).
+  predicting the later K 32 packs (goal: memory within 10%, step within 15%).
 
 The JSON records date, machine, versions and the exact command; a short table prints last.
 """
@@ -44,9 +45,9 @@ sys.path.insert(0, str(ROOT))
 from plora_hpo.adapter import AdapterConfig  # noqa: E402
 from plora_hpo.config import load_sweep  # noqa: E402
 from plora_hpo.planner import Calibration, CostModel, GpuSpec, plan_packs, steps_for_epochs  # noqa: E402
-from plora_hpo.planner.calibrate import Observation, fit_calibration, held_out_errors  # noqa: E402
 from plora_hpo.planner.cli import TRAIN_EXAMPLES  # noqa: E402
-from plora_hpo.planner.reference import PEFT_H200_REFERENCE  # noqa: E402
+from plora_hpo.planner.observations import Observation, fit_calibration, held_out_errors  # noqa: E402
+from plora_hpo.planner.peft_h200 import PEFT_H200_REFERENCE  # noqa: E402
 from plora_hpo.shapes import TARGET_MODULES, shape_by_name  # noqa: E402
 from plora_hpo.space import SearchSpace  # noqa: E402
 
@@ -189,7 +190,7 @@ def accuracy_rows(source: str, observations: list[tuple[str, Observation]], tflo
 
 
 def held_out_rows(found: list[tuple[str, Observation, str]], tflops: float) -> list[dict]:
-    """Calibration fitted on the first/small packs, predicting later, larger ones (issue 3's check):
+    """Calibration fitted on the first/small packs, predicting later, larger ones (the held-out check):
     qwen2.5-1.5b: fit on the packs of fewer than 32 adapters, predict the K 32 packs; qwen2.5-7b
     (K 32 packs only): fit on the first (seq 512), predict the rest."""
     rows = []

@@ -1,4 +1,4 @@
-"""Pruning benchmark (issue 7): the paper120 grid with ASHA vs without, on this CPU.
+"""Pruning benchmark: the paper120 grid with ASHA vs without, on this CPU.
 
 Usage::
 

@@ -1,4 +1,4 @@
-"""Packed multi-LoRA training vs what users run today, side by side on one GPU (issue 5).
+"""Packed multi-LoRA training vs what users run today, side by side on one GPU.
 
 Usage (GPU)::
 
@@ -52,6 +52,9 @@ from plora_hpo.shapes import MODEL_SHAPES, TARGET_MODULES, ModelShape
 
 GIB = 2**30
 RANK_CYCLE = (8, 16, 32, 64, 128)
+# A packed row's knobs are recorded in the results under these names (the planner's
+# Observation.modelled reads them back); two are PackedTrainer arguments under other names.
+TRAINER_ARG_OF_KNOB = {"packing": "row_layout", "packed_storage": "flat_storage"}
 SMOKE_SHAPES = {
     "tiny-a": ModelShape("qwen2", 64, 160, 2, 4, 2, 512, True),
     "tiny-b": ModelShape("qwen2", 96, 224, 2, 4, 2, 640, False),
@@ -417,7 +420,7 @@ class Predictor:
         calibrates from first), then predict it. Only rows whose engine settings the cost model
         describes (``Observation.modelled``) take part on either side."""
         try:
-            from plora_hpo.planner.calibrate import Observation, held_out_errors
+            from plora_hpo.planner.observations import Observation, held_out_errors
 
             order = {r["name"]: i for i, r in enumerate(rows)}
             usable = [(o, Observation.from_dict(o)) for o in observations]
@@ -644,7 +647,8 @@ class Bench:
             if not self.fused_ok:
                 knobs.setdefault("fused_elementwise", False)
             foreign = self.foreign_bytes(packed.model, packed, ids)
-            trainer = PackedTrainer(packed, settings=settings, pad_id=0, device=self.device, **knobs)
+            trainer_args = {TRAINER_ARG_OF_KNOB.get(key, key): value for key, value in knobs.items()}
+            trainer = PackedTrainer(packed, settings=settings, pad_id=0, device=self.device, **trainer_args)
             for adapter_id, config in zip(ids, configs):
                 trainer.add_job(AdapterJob(adapter_id, config, examples, 10**9))
             step_s, warm_s = timed(trainer.step, warmup, steps, self.device)
@@ -687,7 +691,7 @@ class Bench:
                 for adapter_id in list(trainer.jobs):
                     trainer.remove_job(adapter_id)
                 trainer.optimizer = None
-            packed.unpack()
+            packed.release_storage()
             packed.router.cast_adapters = True
             for key, value in saved_env.items():
                 if value is None:
@@ -706,18 +710,18 @@ class Bench:
         examples = random_examples(32, seq, shape.vocab, seed=11, min_len=seq // 8)
         losses = {}
         try:
-            for packing in ("padded", "varlen"):
+            for row_layout in ("padded", "varlen"):
                 settings = OptimizerSettings(lr_schedule="constant", max_grad_norm=1.0)
-                trainer = PackedTrainer(packed, settings=settings, pad_id=0, device=self.device, packing=packing)
+                trainer = PackedTrainer(packed, settings=settings, pad_id=0, device=self.device, row_layout=row_layout)
                 for i, rank in enumerate(RANK_CYCLE[:4]):
                     config = AdapterConfig(
                         rank=rank, alpha=2.0 * rank, learning_rate=1e-30, batch_size=2, seed=1000 + i
                     )
                     trainer.add_job(AdapterJob(f"a{i}-r{rank}-alpha{2.0 * rank:g}", config, examples, 10**9))
-                losses[packing] = [r.loss for r in trainer.step()]
+                losses[row_layout] = [r.loss for r in trainer.step()]
                 for adapter_id in list(trainer.jobs):
                     trainer.remove_job(adapter_id)
-                packed.unpack()
+                packed.release_storage()
                 del trainer
             rel = max(abs(a - b) / abs(b) for a, b in zip(losses["varlen"], losses["padded"]))
             return {"losses": losses, "max_rel_diff": rel, "ok": rel < 0.02}
@@ -883,7 +887,7 @@ class Bench:
         finally:
             for adapter_id in list(trainer.jobs):
                 trainer.remove_job(adapter_id)
-            packed.unpack()
+            packed.release_storage()
             del trainer
             free_memory(self.device)
 
@@ -1096,7 +1100,7 @@ class Bench:
         return summary
 
     def observations(self) -> list[dict]:
-        """Packed rows in the planner's calibration format (plora_hpo.planner.calibrate.Observation)."""
+        """Packed rows in the planner's calibration format (plora_hpo.planner.observations.Observation)."""
         out = []
         for r in self.rows:
             if r["kind"] != "packed" or r.get("error") or r.get("min_len"):
@@ -1133,7 +1137,7 @@ def _le(value, bound):
 def _modelled(observation: dict) -> bool:
     """Whether the cost model describes this exported packed row's engine settings."""
     try:
-        from plora_hpo.planner.calibrate import Observation
+        from plora_hpo.planner.observations import Observation
 
         return Observation.from_dict(observation).modelled
     except Exception:  # the planner is another engineer's module: report, don't die

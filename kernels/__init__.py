@@ -8,7 +8,7 @@ pure-PyTorch reference elsewhere.
 
 from plora_hpo.kernels.dispatch import adapted_linear, packed_lora, packed_lora_add
 from plora_hpo.kernels.layout import SegmentLayout
-from plora_hpo.kernels.reference import adapted_linear_reference, packed_lora_reference
+from plora_hpo.kernels.torch_lora import adapted_linear_reference, packed_lora_reference
 
 __all__ = [
     "SegmentLayout",

@@ -1,7 +1,7 @@
 """A frozen linear layer and its packed LoRA adapters as one autograd node (Triton kernels).
 
 ``y = x·Wᵀ (+ bias) + delta`` with ``delta`` the packed LoRA delta of
-:func:`~plora_hpo.kernels.reference.packed_lora_reference`. Written as the base layer followed by
+:func:`~plora_hpo.kernels.torch_lora.packed_lora_reference`. Written as the base layer followed by
 :func:`~plora_hpo.kernels.triton_lora.packed_lora_add_triton`, autograd would keep two
 gradients of x (the base layer's ``dy·W`` and the adapters') and add them in a third full-size
 pass; here the backward writes ``dx = dy·W`` with one matmul and the adapters' kernel adds

@@ -21,7 +21,7 @@ import torch
 
 from plora_hpo.kernels._grads_into import grads_into as grads_into_buffers
 from plora_hpo.kernels.layout import SegmentLayout
-from plora_hpo.kernels.reference import adapted_linear_reference, packed_lora_reference
+from plora_hpo.kernels.torch_lora import adapted_linear_reference, packed_lora_reference
 
 
 def _triton_wanted(x: torch.Tensor) -> bool:

@@ -6,7 +6,7 @@ shrink and an expand launch in the forward; in the backward an outer launch for 
 ``g = s·dy·B`` and one outer launch that writes dA and dx together, or adds dx into a given
 buffer (``lora_backward(dx_into=...)``); per rank tile when the rank-branching kernels cannot
 be built. Semantics match
-:func:`plora_hpo.kernels.reference.packed_lora_reference`; the dot products run in the
+:func:`plora_hpo.kernels.torch_lora.packed_lora_reference`; the dot products run in the
 activations' dtype (bf16 on the GPU) with fp32 accumulation, whatever the weights' dtype, and
 every gradient comes back in its input's dtype.
 

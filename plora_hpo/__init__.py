@@ -4,8 +4,9 @@ The public API is imported lazily so that ``plora_hpo.engine`` and ``plora_hpo.k
 importable on machines with only torch, transformers and triton (no optuna/mlflow/lm-eval).
 
 Example:
-    >>> from plora_hpo import PackedObjective, PackedSweep, create_study, load_sweep  # doctest: +SKIP
-    >>> config = load_sweep("search_spaces/demo.yaml")  # doctest: +SKIP
+    >>> from plora_hpo import SweepRun, load_sweep  # doctest: +SKIP
+    >>> with SweepRun(load_sweep("search_spaces/demo.yaml"), run_dir="plora_runs") as run:  # doctest: +SKIP
+    ...     run.optimize()  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ _EXPORTS = {
     "load_sweep": "plora_hpo.config",
     "SearchSpace": "plora_hpo.space",
     "PackedSweep": "plora_hpo.sweep",
+    "SweepRun": "plora_hpo.run",
     "TrialRequest": "plora_hpo.trials",
     "TrialOutcome": "plora_hpo.trials",
     "PackedObjective": "plora_hpo.study",

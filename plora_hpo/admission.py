@@ -201,7 +201,49 @@ class PlannerAdmission(AdmissionPolicy):
                 chosen.pop()
             if chosen:
                 packs.append(chosen)
+        _spread_deferred(packs, waiting, room)
         return packs, f"job planner over {1 + room.idle_peers} idle devices: {_solver_label(planner.search)}"
+
+
+def _spread_deferred(packs: list[list[int]], waiting: Sequence[Candidate], room: Room) -> None:
+    """Give the trials the plan left for a later wave to the starting packs they fit in, longest
+    first, each to the pack that then ends earliest.
+
+    The job planner times a pack as if every member ran until the longest one ends; a sweep's
+    pack lets members leave when their own steps are done and refills the slot. A trial deferred
+    under that view would wait for the first device to free up and then run on it nearly alone,
+    ending the sweep late; joining a starting pack that has room costs that pack little.
+    """
+    if not packs:
+        return
+    planned = {i for pack in packs for i in pack}
+    deferred = sorted((i for i in range(len(waiting)) if i not in planned), key=lambda i: -waiting[i].steps)
+    cm = room.cost_model
+    for i in deferred:
+        best, best_end = None, math.inf
+        for pack in packs:
+            together = [*pack, i]
+            if len(together) > room.free_slots or not room.fits([waiting[k].config for k in together]):
+                continue
+            end = drain_seconds(cm, [waiting[k] for k in together])
+            if end < best_end:
+                best, best_end = pack, end
+        if best is not None:
+            best.append(i)
+    for pack in packs:
+        pack.sort()
+
+
+def drain_seconds(cm: CostModel, members: Sequence[Candidate]) -> float:
+    """Predicted seconds until a pack of ``members`` ends, each leaving after its own steps (no refill)."""
+    left = sorted(members, key=lambda c: c.steps)
+    seconds, done = 0.0, 0
+    while left:
+        steps = left[0].steps - done
+        seconds += steps * cm.step_seconds([c.config for c in left])
+        done = left[0].steps
+        left = [c for c in left if c.steps > done]
+    return seconds
 
 
 def _solver_label(search: PackSearch) -> str:

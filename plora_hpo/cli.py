@@ -8,17 +8,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from plora_hpo.errors import PloraError
-
-if TYPE_CHECKING:
-    from plora_hpo.config import SweepConfig
-    from plora_hpo.run_state import RunState
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -72,127 +66,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def default_storage(run_dir: Path) -> str:
-    return f"sqlite:///{(run_dir / 'optuna.db').resolve()}"
-
-
 def run_sweep(args: argparse.Namespace) -> int:
-    """Check the inputs, take the run directory, run the sweep in it."""
-    from plora_hpo.checkpoints import CheckpointStore
+    """Run the sweep file in its run directory (resuming what an earlier process left), then print
+    the summary."""
     from plora_hpo.config import load_sweep
-    from plora_hpo.ownership import RunDirOwner
-    from plora_hpo.preflight import check_sweep_inputs
-    from plora_hpo.run_state import check_resumable
-    from plora_hpo.study import default_n_trials
-    from plora_hpo.sweep import checkpoint_dir
-
-    config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
-    n_trials = default_n_trials(config)
-    run_dir: Path = args.run_dir
-    # bad device/model/data/URIs stop here: before the model loads and before anything is written
-    check_sweep_inputs(
-        config,
-        run_dir=run_dir,
-        data_dir=args.data_dir,
-        device=args.device,
-        mlflow_uri=args.mlflow_uri,
-        storage=args.storage,
-    )
-    saved = check_resumable(run_dir, config, resume=args.resume)  # read-only checks of a rerun first
-    for task in config.tasks:  # a corrupt checkpoint stops the rerun before anything starts
-        CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
-    run_dir_existed = run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    owner = RunDirOwner(run_dir)  # a second sweep on a live run directory stops here
-    try:
-        owner.acquire()
-    except BaseException:
-        if not run_dir_existed:
-            shutil.rmtree(run_dir, ignore_errors=True)
-        raise
-    try:
-        return _run_owned_sweep(args, config, n_trials, run_dir, run_dir_existed, saved)
-    finally:
-        owner.release()
-
-
-def _run_owned_sweep(
-    args: argparse.Namespace,
-    config: SweepConfig,
-    n_trials: int,
-    run_dir: Path,
-    run_dir_existed: bool,
-    saved: RunState | None,
-) -> int:
-    """The sweep in a run directory this process owns: stores, recovery, trials, summary."""
-    from optuna.trial import TrialState
-
     from plora_hpo.progress import RichPackProgress
     from plora_hpo.report import print_summary
-    from plora_hpo.run_state import RunState
-    from plora_hpo.study import PackedObjective, create_study, finished_trials, run_waiting_trials
-    from plora_hpo.sweep import PackedSweep
-    from plora_hpo.tracking import SweepTracker, default_tracking_uri
+    from plora_hpo.run import SweepRun
 
-    storage = args.storage or default_storage(run_dir)
-    tracker = SweepTracker(args.mlflow_uri or default_tracking_uri(run_dir), config.name, artifact_root=run_dir)
-
+    config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
     progress = RichPackProgress()
-    with progress:
-        try:  # until the stores exist, a failure leaves no run directory behind that was not there
-            progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
-            sweep = PackedSweep(
-                config, tracker=tracker, run_dir=run_dir, data_dir=args.data_dir, device=args.device, progress=progress
-            )
-            progress.note(
-                f"packs chosen by the {config.pack.policy} policy on {len(sweep.workers)} device(s)"
-                + (" (degree 1: one pack per device)" if len(sweep.workers) > 1 else "")
-            )
-            tracker.check_reachable()
-            # this process owns the run directory: trials left RUNNING by a killed run are retried
-            studies = {task: create_study(config, task, storage, recover_stale=True) for task in config.tasks}
-        except BaseException:
-            if not run_dir_existed:
-                shutil.rmtree(run_dir, ignore_errors=True)
-            raise
-        state = saved or RunState.of(config)
-        parent = {**config.model_dump(mode="json", exclude={"space"}), "space": config.space.model_dump()}
-        if state.mlflow_parent_run_id is None or not tracker.resume(state.mlflow_parent_run_id):
-            state.mlflow_parent_run_id = tracker.start(config.name, parent, {"plora.storage": storage})
-        state.save(run_dir)
-        resumed_runs = {
-            t.user_attrs["mlflow_run_id"]
-            for study in studies.values()
-            for t in study.get_trials(deepcopy=False)
-            if t.state == TrialState.WAITING and "mlflow_run_id" in t.user_attrs
-        }
-        closed = tracker.close_orphan_runs(keep=resumed_runs)
-        if closed:
-            progress.note(f"closed {len(closed)} MLflow runs a killed process left RUNNING")
-        started = time.perf_counter()
-        try:
-            for task, study in studies.items():
-                objective = PackedObjective(sweep, task)
-                retries = study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
-                progress.add_trials(max(0, n_trials - finished_trials(study)))
-                if retries:
-                    progress.note(f"{task}: resuming {len(retries)} trials a killed run left in flight")
-                run_waiting_trials(study, objective)
-                remaining = max(0, n_trials - finished_trials(study))
-                study.optimize(objective, n_trials=remaining, n_jobs=sweep.concurrency, catch=())
-        except BaseException:
-            tracker.finish("FAILED")
-            raise
-        finally:
-            sweep.close()
-        tracker.finish()
-    print_summary(
-        studies, wall_seconds=time.perf_counter() - started, storage=storage, tracking_uri=tracker.tracking_uri
+    run = SweepRun(
+        config,
+        run_dir=args.run_dir,
+        storage=args.storage,
+        mlflow_uri=args.mlflow_uri,
+        data_dir=args.data_dir,
+        device=args.device,
+        resume=args.resume,
+        progress=progress,
     )
-    line = pack_record_line(sweep.pack_segments, run_dir)
+    run.open()  # refusals (bad input, a live owner, a changed resume) print one line, no progress bars
+    with progress:
+        try:
+            assert run.sweep is not None and run.tracker is not None
+            workers = len(run.sweep.workers)
+            progress.note(
+                f"packs chosen by the {config.pack.policy} policy on {workers} device(s)"
+                + (" (degree 1: one pack per device)" if workers > 1 else "")
+            )
+            if run.closed_runs:
+                progress.note(f"closed {len(run.closed_runs)} MLflow runs a killed process left RUNNING")
+            for task, n in run.retries.items():
+                if n:
+                    progress.note(f"{task}: resuming {n} trials a killed run left in flight")
+            started = time.perf_counter()
+            studies = run.optimize()
+        except BaseException:
+            run.close(failed=True)
+            raise
+        run.close()
+    print_summary(
+        studies, wall_seconds=time.perf_counter() - started, storage=run.storage, tracking_uri=run.tracker.tracking_uri
+    )
+    line = pack_record_line(run.sweep.pack_segments, run.run_dir)
     if line is not None:
         print(line)
-    note = tracker.delivery_note()
+    note = run.tracker.delivery_note()
     if note is not None:
         print(note)
     return 0
@@ -219,6 +139,7 @@ def run_results(args: argparse.Namespace) -> int:
 
     from plora_hpo.config import load_sweep
     from plora_hpo.report import print_summary
+    from plora_hpo.run import default_storage
     from plora_hpo.study import study_name
 
     if args.top < 1:

@@ -146,6 +146,17 @@ class TrainSpec(_Strict):
         "parameter (a rank-64 adapter on all projections of a 1.5B model: ~0.9 GB).",
     )
 
+    checkpoint_overhead: float = Field(
+        0.1,
+        gt=0,
+        le=1,
+        description="With the automatic cadence, the largest share of a device's time that writing "
+        "checkpoints may take: a due save is skipped while it would exceed this share (measured from the "
+        "saves so far). Fast GPU trials then risk a few seconds of training in a crash instead of "
+        "stalling on multi-GB writes; slow trials are still saved about four times. An explicit "
+        "checkpoint_every is always honoured.",
+    )
+
     def checkpoint_interval(self, total_steps: int) -> int:
         """Steps between two checkpoints of an adapter that trains ``total_steps`` steps.
 

@@ -7,8 +7,10 @@ reads these and never reaches back into whoever built them. Importable with torc
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -46,6 +48,26 @@ class DeviceResources:
     eval_tasks: dict[str, Any]
     tasks: dict[str, TaskData]
     gpu: GpuSpec
+
+
+class AdapterScorer(Protocol):
+    """Scores adapters of a pack on a task: ``{adapter_id: {metric: value}}``.
+
+    ``limit``: at most this many evaluation documents (None: the whole evaluation set). The
+    sweep's scorer runs the task's lm-eval definition over many adapters per batch
+    (:func:`plora_hpo.evaluation.evaluate_adapters`).
+    """
+
+    def __call__(
+        self, packed: Any, adapter_ids: Sequence[str], task: str, limit: int | None
+    ) -> dict[str, dict[str, float]]: ...
+
+
+class AdapterExporter(Protocol):
+    """Writes one finished adapter of a pack to ``directory`` and returns where it is (the
+    sweep's exporter writes PEFT's format, :func:`plora_hpo.engine.export.export_peft_adapter`)."""
+
+    def __call__(self, packed: Any, adapter_id: str, directory: Path) -> Path: ...
 
 
 def total_steps(budget: BudgetSpec, config: AdapterConfig, train_examples: int) -> int:

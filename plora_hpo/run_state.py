@@ -18,7 +18,14 @@ from plora_hpo.errors import ConfigError
 
 STATE_FILE = "sweep.json"
 # free to change between runs of one sweep: they decide speed and extent, not what a trial means
-_MAY_CHANGE = {"n_trials", "pack", "evaluation.batch_size", "train.checkpoint_every", "pruning"}
+_MAY_CHANGE = {
+    "n_trials",
+    "pack",
+    "evaluation.batch_size",
+    "train.checkpoint_every",
+    "train.checkpoint_overhead",
+    "pruning",
+}
 
 
 @dataclass

@@ -58,16 +58,15 @@ def study_name(config: SweepConfig, task: str) -> str:
     return f"{config.name}-{task}"
 
 
-def create_study(config: SweepConfig, task: str, storage: str, *, recover_stale: bool = False) -> optuna.Study:
+def create_study(config: SweepConfig, task: str, storage: str) -> optuna.Study:
     """Create (or reopen, to resume) the task's study in ``storage``.
 
     The reference trial (:data:`REFERENCE_PARAMS`) is not enqueued: Optuna 5.0 on sqlite can hand
     one waiting trial to two ``study.optimize`` threads at once, and packs run with ``n_jobs > 1``.
     Grids that contain it (demo, paper120) train it anyway; the summary compares against it.
 
-    ``recover_stale``: the caller owns the study (the CLI's sweep), so trials still RUNNING were
-    left by a dead process; see :func:`recover_stale_trials`. Leave it off when other live
-    processes may be running trials of the same study.
+    Trials a dead process left unfinished are recovered by the study's owner
+    (:class:`~plora_hpo.run.SweepRun`), never here: other live processes may be running them.
     """
     space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
     try:
@@ -87,8 +86,6 @@ def create_study(config: SweepConfig, task: str, storage: str, *, recover_stale:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study.set_metric_names([task_metric_name(task)])
-    if recover_stale:
-        recover_stale_trials(study)
     return study
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,12 +33,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plora_hpo.admission import AdmissionPolicy, Candidate, Room
+from plora_hpo.checkpoints import CheckpointPacer
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
+from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import export_peft_adapter
-from plora_hpo.engine.resume import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.errors import CheckpointError
 from plora_hpo.reporting import PackSegment, TrialReporter
-from plora_hpo.resources import DeviceResources, total_steps
+from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps
 from plora_hpo.timeline import phase
 from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
 
@@ -92,6 +94,9 @@ class DeviceWorker:
         progress: front-end hooks.
         pack_id: a new pack id for this worker's name (unique across the sweep's workers).
         clock: seconds since the sweep started (pack segments are stamped with it).
+        scorer: scores adapters (default: the tasks' lm-eval definitions in ``resources.eval_tasks``
+            with the sweep's evaluation settings, many adapters per batch).
+        exporter: writes a finished adapter (default: PEFT's format, loadable by ``PeftModel``).
     """
 
     def __init__(
@@ -107,9 +112,11 @@ class DeviceWorker:
         progress: PackProgress,
         pack_id: Callable[[str], str],
         clock: Callable[[], float],
+        scorer: AdapterScorer | None = None,
+        exporter: AdapterExporter | None = None,
     ) -> None:
         from plora_hpo.planner import CostModel, Workload, load_calibration
-        from plora_hpo.planner.model_names import shape_name_of
+        from plora_hpo.planner.model_names import shape_name_for_shape
 
         self.resources = resources
         self.config = config
@@ -121,12 +128,14 @@ class DeviceWorker:
         self.progress = progress
         self.new_pack_id = pack_id
         self.clock = clock
+        self.score: AdapterScorer = scorer or self._lm_eval_scores
+        self.export: AdapterExporter = exporter or self._peft_export
         self.device = resources.device
         self.name = resources.name
         self.base = resources.base
         self.gpu = resources.gpu
         self.packed = PackedLoraModel(self.base.model, config.target_modules)
-        shape_name = shape_name_of(self.base.shape)
+        shape_name = shape_name_for_shape(self.base.shape)
         self.cost = CostModel(
             Workload(
                 self.base.shape,
@@ -139,9 +148,30 @@ class DeviceWorker:
             self.gpu,
             load_calibration(shape_name, self.gpu.name) if shape_name else None,
         )
+        self.pacer = CheckpointPacer(config.train.checkpoint_overhead)
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         self.parked: deque[tuple[TrialTicket, AdapterState | None]] = deque()  # waiting to (re)join
         self._thread = threading.Thread(target=self._serve, name=f"plora-{self.name}", daemon=True)
+
+    def _lm_eval_scores(
+        self, packed: PackedLoraModel, adapter_ids: Sequence[str], task: str, limit: int | None
+    ) -> dict[str, dict[str, float]]:
+        from plora_hpo.evaluation import evaluate_adapters
+
+        ev = self.config.evaluation
+        return evaluate_adapters(
+            packed,
+            self.base.tokenizer,
+            list(adapter_ids),
+            self.resources.eval_tasks[task],
+            limit=limit,
+            batch_size=ev.batch_size,
+            max_new_tokens=ev.max_new_tokens,
+            bootstrap_iters=ev.bootstrap_iters,
+        )
+
+    def _peft_export(self, packed: PackedLoraModel, adapter_id: str, directory: Path) -> Path:
+        return export_peft_adapter(packed, adapter_id, directory, self.base.name)
 
     def start(self) -> None:
         self._thread.start()
@@ -187,8 +217,10 @@ class DeviceWorker:
 
     def save_checkpoint(self, request: TrialRequest, state: AdapterState, extra: dict[str, str]) -> None:
         """Write one adapter's resumable state (``extra``: its MLflow run and adapter id)."""
+        started = time.monotonic()
         with phase("checkpoint"):
             self.checkpoints(request.task).save(request.lineage, state, extra)
+        self.pacer.record(state.parameter_count(), time.monotonic() - started)
 
     def _serve(self) -> None:
         if self.device.type == "cuda":  # Triton launches on the thread's current device
@@ -499,11 +531,16 @@ class _Pack:
     def _checkpoint(self, adapter_ids: list[str]) -> None:
         """A few times over each adapter's steps (``train.checkpoint_every``). A checkpoint is the
         adapter's fp32 weights and AdamW moments (12 bytes per LoRA parameter), copied to the
-        host and written to disk, so the interval trades lost work against I/O."""
+        host and written to disk, so the interval trades lost work against I/O; with the
+        automatic interval the pacer also caps the device's share of time spent writing."""
+        train = self.config.train
         for adapter_id in adapter_ids:
             step = self.trainer.steps_done[adapter_id]
-            every = self.config.train.checkpoint_interval(self.trainer.jobs[adapter_id].total_steps)
-            if step % every == 0 and not self.trainer.is_done(adapter_id):
+            every = train.checkpoint_interval(self.trainer.jobs[adapter_id].total_steps)
+            if step % every or self.trainer.is_done(adapter_id):
+                continue
+            size = sum(p.numel() for p in self.worker.packed.parameters_of(adapter_id))
+            if train.checkpoint_every is not None or self.worker.pacer.affordable(size):
                 slot = self.slots[adapter_id]
                 self.worker.save_checkpoint(
                     slot.request,
@@ -512,20 +549,8 @@ class _Pack:
                 )
 
     def _evaluate(self, task: str, adapter_ids: list[str], limit: int | None) -> dict[str, dict[str, float]]:
-        from plora_hpo.evaluation import evaluate_adapters
-
-        ev = self.config.evaluation
         with phase("evaluate"):
-            return evaluate_adapters(
-                self.worker.packed,
-                self.worker.base.tokenizer,
-                adapter_ids,
-                self.worker.resources.eval_tasks[task],
-                limit=limit,
-                batch_size=ev.batch_size,
-                max_new_tokens=ev.max_new_tokens,
-                bootstrap_iters=ev.bootstrap_iters,
-            )
+            return self.worker.score(self.worker.packed, adapter_ids, task, limit)
 
     def _metric(self, task: str) -> str:
         return self.worker.resources.tasks[task].metric
@@ -564,8 +589,8 @@ class _Pack:
             for adapter_id in ids:
                 slot = self.slots[adapter_id]
                 with phase("export"):
-                    adapter_dir = export_peft_adapter(
-                        self.worker.packed, adapter_id, self.worker.adapter_root / adapter_id, self.worker.base.name
+                    adapter_dir = self.worker.export(
+                        self.worker.packed, adapter_id, self.worker.adapter_root / adapter_id
                     )
                 with phase("mlflow"):
                     self.reporter.trial_completed(
@@ -650,13 +675,13 @@ class _Pack:
         """After ``CALIBRATION_STEPS`` warm steps of one composition, refit the cost model on them
         (admission then decides with it, and later sweeps start from it)."""
         from plora_hpo.planner import CostModel, record_observation
-        from plora_hpo.planner.model_names import shape_name_of
+        from plora_hpo.planner.model_names import shape_name_for_shape
 
         seconds = self.trainer.stats.step_seconds[self._stable_since :]
         if len(seconds) != CALIBRATION_STEPS + 1:
             return
         worker = self.worker
-        shape_name = shape_name_of(worker.base.shape)
+        shape_name = shape_name_for_shape(worker.base.shape)
         if shape_name is None:  # a model of unlisted shape: nothing to calibrate against
             return
         peak = torch.cuda.max_memory_allocated(worker.device) if worker.device.type == "cuda" else None

@@ -16,9 +16,10 @@ import pytest
 from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 
+from plora_hpo.checkpoints import read_checkpoint
 from plora_hpo.cli import main
 
-from .test_sweep_e2e import small_sweep
+from .test_sweep_e2e import REPO, small_sweep
 
 pytestmark = pytest.mark.slow
 
@@ -79,19 +80,26 @@ def completed(run_dir) -> int:
             return 0
 
 
-def run_until_killed(sweep_file, run_dir, log_path, ready, timeout=300.0) -> None:
+def run_until_killed(sweep_file, run_dir, log_path, ready, *flags: str, timeout=300.0) -> None:
     """Start the CLI sweep in its own process group and ``kill -9`` the group once ``ready()``."""
+    argv = ["-m", "plora_hpo.cli", "sweep", str(sweep_file), "--run-dir", str(run_dir), *flags]
+    kill_9_when_ready(argv, log_path, ready, timeout=timeout)
+
+
+def kill_9_when_ready(argv: list[str], log_path, ready, *, timeout: float = 300.0) -> None:
+    """Run ``python argv`` in its own process group; ``kill -9`` the group once ``ready()``."""
     with log_path.open("w") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "plora_hpo.cli", "sweep", str(sweep_file), "--run-dir", str(run_dir)],
+            [sys.executable, *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},  # the test process's thread count (conftest)
         )
         try:
             deadline = time.monotonic() + timeout
             while not ready():
-                assert proc.poll() is None, f"the sweep ended before it could be killed: {log_path.read_text()}"
+                assert proc.poll() is None, f"it ended before it could be killed: {log_path.read_text()}"
                 assert time.monotonic() < deadline, f"not ready after {timeout} s"
                 time.sleep(0.05)
         finally:
@@ -154,3 +162,14 @@ def test_three_kill_9s_then_finish_equal_an_uninterrupted_run(tmp_path):
         history = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
         assert history == list(range(1, steps + 1))  # one point per step across the kills
     assert not list(checkpoints.glob("t*.pt"))
+
+
+def test_the_shipped_demo_checkpoints_its_trials(tmp_path):
+    """The README's main job, killed once its first checkpoints land: each holds the adapter
+    after a quarter of its 30 steps (the automatic cadence), ready for a rerun to resume."""
+    run_dir = tmp_path / "demo"
+    checkpoints = run_dir / "checkpoints" / "demo-synthetic"
+    demo = REPO / "search_spaces" / "demo.yaml"
+    run_until_killed(demo, run_dir, tmp_path / "demo.log", lambda: any(checkpoints.glob("t*.pt")), "--n-trials", "4")
+    saved = [read_checkpoint(path)[0] for path in checkpoints.glob("t*.pt")]
+    assert saved and all(state.steps_done == 7 and len(state.curve) == 7 for state in saved)

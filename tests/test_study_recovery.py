@@ -42,7 +42,7 @@ def test_recover_fails_stale_trial_and_enqueues_its_params(tmp_path):
     assert finished_trials(study) == 1  # the COMPLETE one; the failed stale one is being retried
 
 
-def test_create_study_recovers_only_when_asked(tmp_path):
+def test_create_study_leaves_running_trials_to_their_owner(tmp_path):
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     config = load_sweep(DEMO)
     _crashed_study(storage)
@@ -50,7 +50,8 @@ def test_create_study_recovers_only_when_asked(tmp_path):
     shared = create_study(config, "synthetic", storage)  # another live process may own RUNNING trials
     assert [t.state for t in shared.trials].count(TrialState.RUNNING) == 1
 
-    rerun = create_study(config, "synthetic", storage, recover_stale=True)
+    rerun = create_study(config, "synthetic", storage)
+    recover_stale_trials(rerun)  # what the run directory's owner (SweepRun) does on open
     states = [t.state for t in rerun.trials]
     assert TrialState.RUNNING not in states
     assert states.count(TrialState.COMPLETE) == 1 and states.count(TrialState.FAIL) == 1

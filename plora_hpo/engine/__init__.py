@@ -1,6 +1,6 @@
 """The packed training engine: torch + transformers only (runs on the GPU image as is)."""
 
-from plora_hpo.engine.batching import DataStream, PackedBatch, collate
+from plora_hpo.engine.batching import DataStream
 from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.engine.packed_lora import FrozenFactors, PackedLoraLinear, PackedLoraModel
 from plora_hpo.engine.trainer import AdapterJob, OptimizerSettings, PackedTrainer, PackStats, StepReport
@@ -11,11 +11,9 @@ __all__ = [
     "FrozenFactors",
     "OptimizerSettings",
     "PackStats",
-    "PackedBatch",
     "PackedLoraLinear",
     "PackedLoraModel",
     "PackedTrainer",
     "StepReport",
-    "collate",
     "export_peft_adapter",
 ]

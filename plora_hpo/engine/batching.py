@@ -1,4 +1,4 @@
-"""Per-adapter data order and the packed batch that feeds all adapters in one step."""
+"""Per-adapter data order and the micro-batches that feed every adapter of a pack in one step."""
 
 from __future__ import annotations
 
@@ -59,50 +59,7 @@ class DataStream:
         self._order = self._permutation(epoch)
 
 
-@dataclass
-class PackedBatch:
-    """Rows grouped by adapter, right-padded to a common length."""
-
-    input_ids: torch.Tensor  # (rows, T)
-    attention_mask: torch.Tensor  # (rows, T)
-    labels: torch.Tensor  # (rows, T), IGNORE_INDEX on prompt and padding
-    groups: list[tuple[str, int]]  # (adapter_id, rows) in row order
-
-    @property
-    def real_tokens(self) -> int:
-        return int(self.attention_mask.sum())
-
-    def rows_of(self) -> dict[str, slice]:
-        out, start = {}, 0
-        for adapter_id, n in self.groups:
-            out[adapter_id] = slice(start, start + n)
-            start += n
-        return out
-
-
-def collate(
-    groups: Sequence[tuple[str, Sequence[TokenizedExample]]], pad_id: int, device: torch.device | str
-) -> PackedBatch:
-    """Stack every adapter's examples (in group order) into one right-padded batch."""
-    rows = [ex for _, exs in groups for ex in exs]
-    length = max(len(ex.input_ids) for ex in rows)
-    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, ex in enumerate(rows):
-        n = len(ex.input_ids)
-        input_ids[i, :n] = torch.tensor(ex.input_ids)
-        labels[i, :n] = torch.tensor(ex.labels)
-        mask[i, :n] = 1
-    return PackedBatch(
-        input_ids=input_ids.to(device),
-        attention_mask=mask.to(device),
-        labels=labels.to(device),
-        groups=[(a, len(exs)) for a, exs in groups],
-    )
-
-
-PACKINGS = ("padded", "varlen")
+ROW_LAYOUTS = ("padded", "varlen")  # one right-padded row per sequence | sequences concatenated into one row
 
 
 @dataclass
@@ -199,7 +156,7 @@ def plan_micro_batches(
     pad_id: int,
     device: torch.device | str,
     *,
-    packing: str = "padded",
+    row_layout: str = "padded",
     max_tokens: int | None = None,
 ) -> list[MicroBatch]:
     """Split one packed step's examples into micro-batches (all of them in one by default).
@@ -208,13 +165,13 @@ def plan_micro_batches(
         groups: ``(adapter_id, examples)`` per adapter, in pack order.
         pad_id: token id written into padding positions (never trained, never attended).
         device: where the tensors go (pinned, non-blocking copies on CUDA).
-        packing: ``"padded"`` (rows right-padded to the micro-batch's longest) or ``"varlen"``
-            (padding-free: sequences back to back, attention kept within each sequence).
+        row_layout: ``"padded"`` (rows right-padded to the micro-batch's longest) or ``"varlen"``
+            (padding-free: sequences concatenated back to back, attention kept within each sequence).
         max_tokens: tokens per micro-batch (padded tokens for ``padded``, real tokens for
             ``varlen``); ``None`` puts the whole step in one micro-batch.
     """
-    if packing not in PACKINGS:
-        raise ValueError(f"unknown packing {packing!r}; use one of {PACKINGS}")
+    if row_layout not in ROW_LAYOUTS:
+        raise ValueError(f"unknown row_layout {row_layout!r}; use one of {ROW_LAYOUTS}")
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     device = torch.device(device)
@@ -222,18 +179,18 @@ def plan_micro_batches(
     rows = [(g, ex) for g, (_, exs) in enumerate(groups) for ex in exs]
     if not rows:
         raise ValueError("a packed step needs at least one example")
-    split = _split_varlen if packing == "varlen" else _split_padded
-    return [_build(chunk, ids, pad_id, device, packing) for chunk in split(rows, max_tokens)]
+    split = _split_varlen if row_layout == "varlen" else _split_padded
+    return [_build(chunk, ids, pad_id, device, row_layout) for chunk in split(rows, max_tokens)]
 
 
 def _build(
-    rows: list[tuple[int, TokenizedExample]], ids: list[str], pad_id: int, device: torch.device, packing: str
+    rows: list[tuple[int, TokenizedExample]], ids: list[str], pad_id: int, device: torch.device, row_layout: str
 ) -> MicroBatch:
     k = len(ids)
     row_counts = [0] * k
     tokens = [0] * k
     lengths = [len(ex.input_ids) for _, ex in rows]
-    varlen = packing == "varlen"
+    varlen = row_layout == "varlen"
     width = sum(lengths) if varlen else max(lengths)
     n_rows = 1 if varlen else len(rows)
     input_ids = torch.full((n_rows * width,), pad_id, dtype=torch.long)

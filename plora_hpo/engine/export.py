@@ -37,14 +37,20 @@ def peft_adapter_config(packed: PackedLoraModel, adapter_id: str, base_model_nam
 def export_peft_adapter(
     packed: PackedLoraModel, adapter_id: str, directory: str | os.PathLike, base_model_name: str
 ) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors``; atomic (temp dir + rename)."""
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors``; atomic (temp dir + rename).
+
+    A tensor-parallel pack's adapter is written whole: every rank of the group calls this (the
+    factors are gathered) and rank 0 of the group writes.
+    """
     directory = Path(directory)
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     tensors = {
         f"{_PEFT_PREFIX}{key}": value.float().contiguous().cpu()
         for key, value in packed.state_dict_of(adapter_id).items()
     }
+    if packed.parallel is not None and packed.parallel.index != 0:
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     config = peft_adapter_config(packed, adapter_id, base_model_name)
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))

@@ -13,7 +13,7 @@ replaces
   (:mod:`plora_hpo.engine.rotary`);
 
 and, for padding-free batches, lets attention run the variable-length flash kernel
-(:func:`varlen_attention`) over sequences packed back to back in one row.
+(:func:`varlen_attention`) over sequences concatenated back to back in one row.
 
 All replacements compute the same function as the originals up to rounding (one bf16 rounding
 instead of two); :func:`unfuse_elementwise` restores the originals.
@@ -169,7 +169,7 @@ def _varlen_reference(q, k, v, cu_seqlens, scale):  # (T, H, D) each; per-sequen
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
 ) -> torch.Tensor:
-    """Causal attention within each sequence of a packed row: ``(T, H, D)`` in and out.
+    """Causal attention within each sequence of a row of concatenated sequences: ``(T, H, D)`` in and out.
 
     CUDA: the flash kernel's variable-length mode (GQA native, differentiable through aten's
     registered backward). Elsewhere: a loop of per-sequence SDPA calls (the reference).
@@ -190,7 +190,9 @@ def _attention_with_varlen(original):
         if cu_seqlens is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if query.shape[0] != 1:
-            raise ValueError(f"padding-free attention wants one packed row, got batch {query.shape[0]}")
+            raise ValueError(
+                f"padding-free attention wants one row of concatenated sequences, got batch {query.shape[0]}"
+            )
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
         out = varlen_attention(q, k, v, cu_seqlens, int(max_seqlen), scale)
@@ -201,7 +203,7 @@ def _attention_with_varlen(original):
 
 
 def install_varlen_attention() -> None:
-    """Let the ``sdpa`` attention of Hugging Face models accept packed rows.
+    """Let the ``sdpa`` attention of Hugging Face models accept rows of concatenated sequences.
 
     Idempotent. The wrapped function behaves exactly like the original unless a forward passes
     ``plora_cu_seqlens`` / ``plora_max_seqlen`` keyword arguments (the trainer's padding-free

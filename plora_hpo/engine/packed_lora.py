@@ -5,9 +5,9 @@ and one (A, B) pair per adapter. A :class:`Router` tells all layers which rows o
 batch belong to which adapter, so one forward pass of the base serves every adapter and each
 adapter touches only its own rows (gradients stay isolated).
 
-Packed storage (the trainer's fast path): :meth:`PackedLoraModel.pack` moves the fp32 factors of
-the adapters being trained into one buffer of every layer's factors, one contiguous row block per
-adapter (:class:`_Pack`). Each adapter's row block is its *flat parameter*
+Flat storage (the trainer's fast path): :meth:`PackedLoraModel.build_storage` moves the fp32
+factors of the adapters being trained into one buffer of every layer's factors, one contiguous
+row block per adapter (:class:`_FlatStorage`). Each adapter's row block is its *flat parameter*
 (:meth:`PackedLoraModel.flat_parameters`; one tensor per chunk of layers, usually one): what its
 optimizer group, gradient norm and clipping see, so a step's AdamW, norms and clipping run on a
 few flat tensors per adapter instead of layers × 2.
@@ -16,8 +16,8 @@ Once per step the whole buffer is cast to the activations' dtype in one kernel (
 a layer hands the kernel strided column slices of that copy (its A_cat and Bᵀ_cat, no copies),
 and the weight-gradient kernels add into the matching slices of the fp32 gradient buffer
 themselves (no per-layer gradient tensors, casts or adds). A forward whose route lists exactly the
-packed adapters in that order, while the copy is fresh, takes this path; any other route
-(evaluation, a different order) concatenates the per-layer parameters per call as before. Both
+stored adapters in that order, while the copy is fresh, takes this path; any other route
+(evaluation, a different order) concatenates the per-layer parameters on every call. Both
 paths compute the same function and put the same gradients on the adapters.
 
 Frozen views (evaluation's fast path): :meth:`PackedLoraModel.frozen_view` concatenates every
@@ -42,11 +42,13 @@ import torch.utils.checkpoint
 from torch import nn
 
 from plora_hpo.adapter import AdapterConfig
+from plora_hpo.engine import tensor_parallel
+from plora_hpo.engine.tensor_parallel import LinearShard, StorageColumns, TensorParallelPlan
 from plora_hpo.kernels import SegmentLayout, adapted_linear
 
 _LAYOUT_CACHE_SIZE = 256
-# The kernels address weights with 32-bit offsets (rank row × row stride): a pack buffer holds at
-# most 2^31 elements, so layers are grouped into buffers ("chunks") of at most this many columns,
+# The kernels address weights with 32-bit offsets (rank row × row stride): a storage buffer holds
+# at most 2^31 elements, so layers are grouped into buffers ("chunks") of at most this many columns,
 # which leaves room for Σr up to 8192 ranks per pack.
 _CHUNK_COLUMNS = 2**31 // 8192
 
@@ -97,17 +99,17 @@ class Router:
 
 @dataclass
 class _LayerSlot:
-    """One layer's view of the model's pack: autograd leaves over the compute copy."""
+    """One layer's view of the model's flat storage: autograd leaves over the compute copy."""
 
     ids: tuple[str, ...]
-    a: torch.Tensor  # (Σr, d_in) leaf, a strided view of the pack's compute copy
+    a: torch.Tensor  # (Σr, d_in) leaf, a strided view of the storage's compute copy
     b: torch.Tensor  # (d_out, Σr) leaf (transposed view): adapter k's B is b[:, r0:r1]
-    grads: tuple[torch.Tensor, torch.Tensor]  # the same views of the pack's fp32 gradient
-    pack: _Pack
+    grads: tuple[torch.Tensor, torch.Tensor]  # the same views of the storage's fp32 gradient
+    storage: _FlatStorage
 
 
 @dataclass
-class _Pack:
+class _FlatStorage:
     """The trained adapters' factors of every layer in one fp32 buffer, one row block per adapter.
 
     The layers are grouped into a few chunks (32-bit kernel offsets, see ``_CHUNK_COLUMNS``);
@@ -124,7 +126,7 @@ class _Pack:
     row_offsets: tuple[int, ...]
     master: list[torch.Tensor]
     grad: list[torch.Tensor]
-    row_adapter: torch.Tensor  # (Σr,) int64 on the device: the pack slot of each row
+    row_adapter: torch.Tensor  # (Σr,) int64 on the device: each row's adapter (its index in ids)
     compute: list[torch.Tensor] | None = None
     fresh: bool = False  # compute holds master's current values (set by refresh, cleared by stale)
 
@@ -167,15 +169,16 @@ class _Frozen:
 class PackedLoraLinear(nn.Module):
     """A frozen ``nn.Linear`` plus per-adapter LoRA factors applied to each adapter's rows."""
 
-    def __init__(self, base: nn.Linear, router: Router) -> None:
+    def __init__(self, base: nn.Linear, router: Router, shard: LinearShard | None = None) -> None:
         super().__init__()
         self.base = base
         self.router = router
+        self.shard = shard  # this rank's part of the layer under tensor parallelism (None: whole)
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         self._slot: _LayerSlot | None = None
-        self.chunk = 0  # which pack buffer holds this layer's factors
-        self.col_a = 0  # this layer's first column in a pack row (A: d_in columns, then Bᵀ: d_out)
+        self.chunk = 0  # which storage buffer holds this layer's factors
+        self.col_a = 0  # this layer's first column in a storage row (A: d_in columns, then Bᵀ: d_out)
         self._frozen: _Frozen | None = None  # set only by PackedLoraModel.frozen_view
 
     @property
@@ -187,10 +190,14 @@ class PackedLoraLinear(nn.Module):
         return self.base.out_features
 
     def add_adapter(self, adapter_id: str, rank: int, generator: torch.Generator) -> None:
-        """A initialised like PEFT (Kaiming-uniform, a=√5), B zeros: the adapter starts as a no-op."""
+        """A initialised like PEFT (Kaiming-uniform, a=√5), B zeros: the adapter starts as a no-op.
+
+        A split layer draws the whole layer's A (the same numbers as unsplit) and keeps its part."""
         weight = self.base.weight
-        a = torch.empty(rank, self.in_features, dtype=torch.float32)
+        a = torch.empty(rank, self.in_features if self.shard is None else self.shard.in_features, dtype=torch.float32)
         nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=generator)
+        if self.shard is not None:
+            a = self.shard.a_of(a).contiguous()
         self.lora_A[adapter_id] = nn.Parameter(a.to(weight.device))
         self.lora_B[adapter_id] = nn.Parameter(
             torch.zeros(self.out_features, rank, dtype=torch.float32, device=weight.device)
@@ -200,7 +207,7 @@ class PackedLoraLinear(nn.Module):
         del self.lora_A[adapter_id]
         del self.lora_B[adapter_id]
 
-    # --- packed storage (set up by PackedLoraModel.pack) -------------------------------------
+    # --- flat storage (set up by PackedLoraModel.build_storage) -----------------------------
     @property
     def col_b(self) -> int:
         return self.col_a + self.in_features
@@ -211,7 +218,7 @@ class PackedLoraLinear(nn.Module):
 
     def _weights(self, route: Route, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(A_cat: Σr × d_in, B_cat: d_out × Σr) for the route's adapters, in the compute dtype,
-        concatenated from the per-layer parameters (the path outside the trainer's pack)."""
+        concatenated from the per-layer parameters (the path outside the trainer's flat storage)."""
         cast = self.router.cast_adapters and dtype.is_floating_point
         a_parts = [self.lora_A[i] for i in route.adapter_ids]
         b_parts = [self.lora_B[i] for i in route.adapter_ids]
@@ -269,8 +276,8 @@ class PackedLoraLinear(nn.Module):
             if y is not None:
                 return y
         slot = self._slot
-        if slot is not None and slot.pack.fresh and route.adapter_ids == slot.ids:
-            a_cat, b_cat, grads = slot.a, slot.b, slot.grads  # the pack: compute copy in, fp32 gradient out
+        if slot is not None and slot.storage.fresh and route.adapter_ids == slot.ids:
+            a_cat, b_cat, grads = slot.a, slot.b, slot.grads  # flat storage: compute copy in, fp32 gradient out
         elif serves:
             a_cat, b_cat, grads = frozen.factors.a_cat, frozen.factors.b_cat, None
         else:
@@ -312,15 +319,22 @@ def _checkpointed_forward(layer: nn.Module, router: Router, *args, **kwargs):
 
 
 class PackedLoraModel:
-    """A causal LM with packed LoRA layers on ``target_modules``; the engine's model handle."""
+    """A causal LM with packed LoRA layers on ``target_modules``; the engine's model handle.
+
+    A model split by :func:`~plora_hpo.engine.tensor_parallel.shard_model` gets its adapters
+    split to match (``parallel``): every rank of the group builds this object the same way,
+    adapters are initialised as unsplit and each rank keeps its part, and :meth:`state_dict_of`
+    gathers the whole factors (a collective then).
+    """
 
     def __init__(self, model: nn.Module, target_modules: Sequence[str]) -> None:
         self.model = model
         self.target_modules = tuple(target_modules)
+        self.parallel: TensorParallelPlan | None = tensor_parallel.plan_of(model)
         self.router = Router()
         self.configs: dict[str, AdapterConfig] = {}
         self._layouts: OrderedDict = OrderedDict()
-        self._pack: _Pack | None = None
+        self._storage: _FlatStorage | None = None
         self._flat: dict[str, nn.Parameter] = {}
         self._checkpointing = False
         for p in model.parameters():
@@ -329,7 +343,8 @@ class PackedLoraModel:
         for name, module in list(model.named_modules()):
             if name.rsplit(".", 1)[-1] in self.target_modules and isinstance(module, nn.Linear):
                 parent_name, _, child = name.rpartition(".")
-                packed = PackedLoraLinear(module, self.router)
+                shard = None if self.parallel is None else self.parallel.shards.get(name)
+                packed = PackedLoraLinear(module, self.router, shard)
                 setattr(model.get_submodule(parent_name), child, packed)
                 self.layers[name] = packed
         if not self.layers:
@@ -340,6 +355,13 @@ class PackedLoraModel:
                 self.chunk_widths.append(0)
             layer.chunk, layer.col_a = len(self.chunk_widths) - 1, self.chunk_widths[-1]
             self.chunk_widths[-1] += layer.width
+        self._parallel_columns: StorageColumns | None = None
+        if self.parallel is not None:
+            self._parallel_columns = tensor_parallel.storage_columns(
+                [(x.shard, x.chunk, x.col_a, x.in_features, x.out_features) for x in self.layers.values()],
+                self.chunk_widths,
+                next(iter(self.layers.values())).base.weight.device,
+            )
 
     @property
     def adapter_ids(self) -> list[str]:
@@ -355,31 +377,31 @@ class PackedLoraModel:
         self.configs[adapter_id] = config
 
     def remove_adapter(self, adapter_id: str) -> None:
-        if adapter_id in self.packed_ids:
-            self.unpack()
+        if adapter_id in self.stored_ids:
+            self.release_storage()
         for layer in self.layers.values():
             layer.remove_adapter(adapter_id)
         self._flat.pop(adapter_id, None)
         del self.configs[adapter_id]
 
-    # --- packed storage -------------------------------------------------------------------
+    # --- flat storage ---------------------------------------------------------------------
     @property
-    def current_pack(self) -> _Pack | None:
-        """The pack (its buffers and row layout), if any."""
-        return self._pack
+    def flat_storage(self) -> _FlatStorage | None:
+        """The flat storage of the adapters being trained (its buffers and row layout), if any."""
+        return self._storage
 
     @property
-    def packed_ids(self) -> tuple[str, ...]:
-        """Adapters in packed storage, in pack order (empty: none)."""
-        return () if self._pack is None else self._pack.ids
+    def stored_ids(self) -> tuple[str, ...]:
+        """Adapters in the flat storage, in its row order (empty: none)."""
+        return () if self._storage is None else self._storage.ids
 
     def _views(self, buffers: Sequence[torch.Tensor], layer: PackedLoraLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A, B) of one layer inside rows of the pack layout: A (r × d_in), B (d_out × r)."""
+        """(A, B) of one layer inside rows of the storage layout: A (r × d_in), B (d_out × r)."""
         buffer = buffers[layer.chunk]
         return buffer[:, layer.col_a : layer.col_b], buffer[:, layer.col_b : layer.col_a + layer.width].t()
 
     def _point(self, adapter_id: str, buffer: Sequence[torch.Tensor]) -> None:
-        """Make the adapter's per-layer parameters views of ``buffer`` (its rows, pack layout)."""
+        """Make the adapter's per-layer parameters views of ``buffer`` (its rows, storage layout)."""
         for layer in self.layers.values():
             a, b = self._views(buffer, layer)
             layer.lora_A[adapter_id].data = a
@@ -402,11 +424,11 @@ class PackedLoraModel:
 
     def flat_parameters(self, adapter_id: str) -> list[nn.Parameter]:
         """The adapter's factors as a few contiguous ``(rank, W_c)`` fp32 parameters, one per
-        chunk of layers (pack layout; one for most models).
+        chunk of layers (storage layout; one for most models).
 
         Its per-layer ``lora_A``/``lora_B`` parameters become views of them, so a handful of
         optimizer parameters (and one gradient norm) cover the whole adapter. The objects stay
-        the same across packing and unpacking (optimizer state keyed by them stays valid); if
+        the same across building and releasing the storage (optimizer state keyed by them stays valid); if
         something re-pointed the per-layer parameters (adapter paging), their values are
         gathered again.
         """
@@ -434,8 +456,8 @@ class PackedLoraModel:
         """Give each per-layer parameter of the adapter its own contiguous storage (values kept)
         and forget its flat parameters: for optimizers that hold per-layer parameters (fused
         AdamW wants a parameter's gradient and state in its own, dense layout)."""
-        if adapter_id in self.packed_ids:
-            self.unpack()
+        if adapter_id in self.stored_ids:
+            self.release_storage()
         with torch.no_grad():
             for layer in self.layers.values():
                 for p in (layer.lora_A[adapter_id], layer.lora_B[adapter_id]):
@@ -444,19 +466,19 @@ class PackedLoraModel:
                         p.grad = None
         self._flat.pop(adapter_id, None)
 
-    def pack(self, adapter_ids: Sequence[str]) -> None:
-        """Put these adapters (in this order) into the pack buffers; see :class:`_Pack`.
+    def build_storage(self, adapter_ids: Sequence[str]) -> None:
+        """Put these adapters (in this order) into the storage buffers; see :class:`_FlatStorage`.
 
         Their flat parameters (:meth:`flat_parameters`) keep their identity and values (optimizer
-        state stays valid) and become row blocks of the pack; their gradients become row blocks
-        of the pack's gradient buffers, which the caller zeroes in place (:meth:`zero_packed_grads`)
+        state stays valid) and become row blocks of the storage; their gradients become row blocks
+        of its gradient buffers, which the caller zeroes in place (:meth:`zero_storage_grads`)
         rather than setting to None. Per-layer parameters stay views (their ``.grad`` is unused).
         """
         ids = tuple(adapter_ids)
         unknown = [a for a in ids if a not in self.configs]
         if unknown or len(set(ids)) != len(ids):
-            raise ValueError(f"cannot pack {list(ids)}: unknown or repeated adapters {unknown}")
-        self.unpack()
+            raise ValueError(f"cannot store {list(ids)}: unknown or repeated adapters {unknown}")
+        self.release_storage()
         if not ids:
             return
         flats = [self.flat_parameters(a) for a in ids]
@@ -465,8 +487,8 @@ class PackedLoraModel:
             offsets.append(offsets[-1] + chunks[0].shape[0])
         if offsets[-1] * max(self.chunk_widths) >= 2**31:
             raise ValueError(
-                f"a pack of total rank {offsets[-1]} is too large for packed storage (32-bit kernel "
-                f"offsets); pack fewer adapters or train with packed_storage=False"
+                f"a pack of total rank {offsets[-1]} is too large for flat storage (32-bit kernel "
+                f"offsets); pack fewer adapters or train with flat_storage=False"
             )
         like = flats[0][0]
         master = [torch.empty(offsets[-1], w, dtype=like.dtype, device=like.device) for w in self.chunk_widths]
@@ -480,21 +502,21 @@ class PackedLoraModel:
                     flat.grad = g[r0:r1]
                 self._point(adapter_id, rows)
         slots = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([c[0].shape[0] for c in flats]))
-        self._pack = _Pack(ids, tuple(offsets), master, grad, slots.to(like.device))
+        self._storage = _FlatStorage(ids, tuple(offsets), master, grad, slots.to(like.device))
 
-    def unpack(self) -> None:
-        """Give every packed adapter its own storage again (values kept, gradients dropped)."""
-        pack, self._pack = self._pack, None
-        if pack is None:
+    def release_storage(self) -> None:
+        """Give every stored adapter its own storage again (values kept, gradients dropped)."""
+        storage, self._storage = self._storage, None
+        if storage is None:
             return
         for layer in self.layers.values():
             layer._slot = None
         with torch.no_grad():
-            for adapter_id, r0, r1 in zip(pack.ids, pack.row_offsets, pack.row_offsets[1:]):
+            for adapter_id, r0, r1 in zip(storage.ids, storage.row_offsets, storage.row_offsets[1:]):
                 flats = self._flat.get(adapter_id)
                 if flats is None or adapter_id not in self.configs:
                     continue
-                old = [m[r0:r1] for m in pack.master]
+                old = [m[r0:r1] for m in storage.master]
                 for flat, rows in zip(flats, old):
                     flat.grad = None
                     if flat.data_ptr() == rows.data_ptr():
@@ -511,22 +533,25 @@ class PackedLoraModel:
             if layer.lora_B[adapter_id].data_ptr() == b_old.data_ptr():
                 layer.lora_B[adapter_id].data = b_new
 
-    def pack_intact(self, adapter_ids: Sequence[str]) -> bool:
-        """Whether ``adapter_ids`` are packed in this order and still alias the buffers.
+    def storage_intact(self, adapter_ids: Sequence[str]) -> bool:
+        """Whether ``adapter_ids`` are in the flat storage in this order and still alias its buffers.
 
-        Cheap (every step): checks each packed adapter's flat parameters and the first and last
-        packed adapters' per-layer parameters (adapter paging re-points whole adapters).
+        Cheap (every step): checks each stored adapter's flat parameters and the first and last
+        stored adapters' per-layer parameters (adapter paging re-points whole adapters).
         """
-        pack = self._pack
-        if pack is None or tuple(adapter_ids) != pack.ids:
+        storage = self._storage
+        if storage is None or tuple(adapter_ids) != storage.ids:
             return False
-        for adapter_id, r0 in zip(pack.ids, pack.row_offsets):
+        for adapter_id, r0 in zip(storage.ids, storage.row_offsets):
             flats = self._flat.get(adapter_id)
-            if flats is None or any(f.data_ptr() != m[r0].data_ptr() for f, m in zip(flats, pack.master)):
+            if flats is None or any(f.data_ptr() != m[r0].data_ptr() for f, m in zip(flats, storage.master)):
                 return False
-        for adapter_id, r0 in {pack.ids[0]: pack.row_offsets[0], pack.ids[-1]: pack.row_offsets[-2]}.items():
+        for adapter_id, r0 in {
+            storage.ids[0]: storage.row_offsets[0],
+            storage.ids[-1]: storage.row_offsets[-2],
+        }.items():
             for layer in self.layers.values():
-                m = pack.master[layer.chunk]
+                m = storage.master[layer.chunk]
                 row, size = m[r0].data_ptr(), m.element_size()
                 if (
                     layer.lora_A[adapter_id].data_ptr() != row + layer.col_a * size
@@ -536,44 +561,61 @@ class PackedLoraModel:
         return True
 
     def refresh_compute(self, dtype: torch.dtype | None = None) -> None:
-        """Cast the pack's fp32 master into its compute copy (one kernel) and mark it fresh.
+        """Cast the storage's fp32 master into its compute copy (one kernel) and mark it fresh.
 
         ``dtype`` defaults to the base model's (bf16 on the GPU); with the router's
         ``cast_adapters`` off, or when the dtypes match, the compute copy is the master itself.
-        The layers use the pack only while it is fresh (the trainer refreshes at the start of each
+        The layers use the storage only while it is fresh (the trainer refreshes at the start of each
         step and calls :meth:`mark_stale` after the update); otherwise they concatenate the
         per-layer parameters, which always see the current values.
         """
-        pack = self._pack
-        if pack is None:
+        storage = self._storage
+        if storage is None:
             return
         if dtype is None:
             dtype = next(iter(self.layers.values())).base.weight.dtype
         if not (self.router.cast_adapters and dtype.is_floating_point):
-            dtype = pack.master[0].dtype
-        if pack.compute is None or pack.compute[0].dtype != dtype:
-            self._build_compute(pack, dtype)
-        elif pack.compute is not pack.master:
+            dtype = storage.master[0].dtype
+        if storage.compute is None or storage.compute[0].dtype != dtype:
+            self._build_compute(storage, dtype)
+        elif storage.compute is not storage.master:
             with torch.no_grad():
-                torch._foreach_copy_(pack.compute, pack.master)
-        pack.fresh = True
+                torch._foreach_copy_(storage.compute, storage.master)
+        storage.fresh = True
 
-    def _build_compute(self, pack: _Pack, dtype: torch.dtype) -> None:
-        pack.compute = pack.master if dtype == pack.master[0].dtype else [m.to(dtype) for m in pack.master]
+    def _build_compute(self, storage: _FlatStorage, dtype: torch.dtype) -> None:
+        storage.compute = storage.master if dtype == storage.master[0].dtype else [m.to(dtype) for m in storage.master]
         for layer in self.layers.values():
-            a_view, b_view = self._views(pack.compute, layer)
-            # leaves only so that autograd runs the layer's backward; their gradients go to pack.grad
+            a_view, b_view = self._views(storage.compute, layer)
+            # leaves only so that autograd runs the layer's backward; their gradients go to storage.grad
             a_leaf, b_leaf = a_view.detach().requires_grad_(), b_view.detach().requires_grad_()
-            layer._slot = _LayerSlot(pack.ids, a_leaf, b_leaf, self._views(pack.grad, layer), pack)
+            layer._slot = _LayerSlot(storage.ids, a_leaf, b_leaf, self._views(storage.grad, layer), storage)
 
     def mark_stale(self) -> None:
         """The master changed (optimizer step): layers stop using the compute copy until refreshed."""
-        if self._pack is not None:
-            self._pack.fresh = False
+        if self._storage is not None:
+            self._storage.fresh = False
 
-    def zero_packed_grads(self) -> None:
-        if self._pack is not None:
-            torch._foreach_zero_(self._pack.grad)
+    def zero_storage_grads(self) -> None:
+        if self._storage is not None:
+            torch._foreach_zero_(self._storage.grad)
+
+    # --- tensor parallelism (no-ops on a whole model) ----------------------------------------
+    def reduce_storage_grads(self) -> None:
+        """Sum the replicated factors' gradients over the group (each rank holds a partial sum);
+        call once per step, after the last backward. A collective; a no-op on a whole model."""
+        if self.parallel is not None and self._storage is not None:
+            assert self._parallel_columns is not None
+            tensor_parallel.all_reduce_columns(self.parallel, self._storage.grad, self._parallel_columns)
+
+    def storage_grad_norms(self) -> torch.Tensor:
+        """Each stored adapter's gradient norm over the whole (unsplit) model, in storage order,
+        after :meth:`reduce_storage_grads`. A collective under tensor parallelism."""
+        storage = self._storage
+        assert storage is not None and self.parallel is not None and self._parallel_columns is not None
+        return tensor_parallel.flat_grad_norms(
+            self.parallel, storage.grad, self._parallel_columns, storage.row_adapter, len(storage.ids)
+        )
 
     # --- activation checkpointing -----------------------------------------------------------
     @property
@@ -600,7 +642,13 @@ class PackedLoraModel:
         return params
 
     def state_dict_of(self, adapter_id: str) -> dict[str, torch.Tensor]:
-        """``{"<module path>.lora_A.weight": A, ...}`` for one adapter (detached views)."""
+        """``{"<module path>.lora_A.weight": A, ...}`` for one adapter (detached views).
+
+        Under tensor parallelism the factors are whole (gathered from every rank, the same on all):
+        a collective that every rank of the group calls."""
+        if self.parallel is not None:
+            parts = [(n, x.shard, x.lora_A[adapter_id], x.lora_B[adapter_id]) for n, x in self.layers.items()]
+            return tensor_parallel.gather_factors(self.parallel, parts)
         out: dict[str, torch.Tensor] = {}
         for name, layer in self.layers.items():
             out[f"{name}.lora_A.weight"] = layer.lora_A[adapter_id].detach()
@@ -608,10 +656,14 @@ class PackedLoraModel:
         return out
 
     def load_state_dict_of(self, adapter_id: str, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy weights saved by :meth:`state_dict_of` back into an existing adapter."""
+        """Copy weights saved by :meth:`state_dict_of` (whole factors) back into an existing adapter."""
         with torch.no_grad():
-            for key, value in self.state_dict_of(adapter_id).items():
-                value.copy_(tensors[key])
+            for name, layer in self.layers.items():
+                a, b = tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"]
+                if layer.shard is not None:
+                    a, b = layer.shard.a_of(a), layer.shard.b_of(b)
+                layer.lora_A[adapter_id].copy_(a)
+                layer.lora_B[adapter_id].copy_(b)
         self.mark_stale()
 
     @contextmanager

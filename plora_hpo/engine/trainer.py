@@ -6,8 +6,8 @@ sum over adapters is backpropagated, so every adapter receives exactly the gradi
 get if it trained alone. Adapters may join (:meth:`PackedTrainer.add_job`) and leave
 (finished, pruned or failed) between steps without disturbing the others.
 
-Speed knobs (all keep that contract; see the constructor): packed adapter storage with one
-bf16 cast per layer call, micro-batching with length bucketing, padding-free (varlen) packing,
+Speed knobs (all keep that contract; see the constructor): flat adapter storage with one
+bf16 cast per step, micro-batching with length bucketing, padding-free (varlen) rows of concatenated sequences,
 activation checkpointing, fused RMSNorm/SwiGLU/rotary embedding, and a loss that keeps one chunk of logits alive.
 A step reads nothing back from the GPU until its losses and gradient norms, once, just before
 the update (an adapter whose loss or gradient is non-finite leaves the pack there, unupdated).
@@ -25,7 +25,7 @@ import torch
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.engine.batching import (
-    PACKINGS,
+    ROW_LAYOUTS,
     DataStream,
     MicroBatch,
     TokenizedExample,
@@ -129,22 +129,29 @@ class PackedTrainer:
         pad_id: token written into padding.
         device: where the model lives.
         micro_batch_tokens: split each step into forwards/backwards of at most this many tokens
-            (padded tokens for ``packing="padded"``, real tokens for ``"varlen"``) and accumulate
+            (padded tokens for ``row_layout="padded"``, real tokens for ``"varlen"``) and accumulate
             the gradients; the losses and gradients equal the unsplit step's. ``None``: one
             forward per step. Padded micro-batches are bucketed by sequence length.
-        packing: ``"padded"`` (right-padded rows) or ``"varlen"`` (padding-free: each
-            micro-batch is one row of sequences back to back, attention kept within sequences).
+        row_layout: ``"padded"`` (one right-padded row per sequence) or ``"varlen"`` (padding-free:
+            each micro-batch is one row of sequences concatenated back to back, attention kept
+            within sequences).
         activation_checkpointing: recompute each decoder layer in the backward (keeps only layer
             inputs, at the cost of a second forward).
         fused_elementwise: fused RMSNorm, SwiGLU and rotary embedding (:mod:`plora_hpo.engine.fused`); ``None``
             means on for CUDA, off elsewhere.
-        packed_storage: keep the trained adapters' factors in one packed buffer, one flat
+        flat_storage: keep the trained adapters' factors in one fp32 buffer, one flat
             parameter per adapter (one kernel input per layer instead of K, one bf16 cast per
             step, and AdamW / gradient norms / clipping on K flat tensors; see
             :mod:`plora_hpo.engine.packed_lora`). Off: per-layer parameters, per-call casts.
         loss_chunk_tokens: rows per LM-head chunk of the loss.
         prefetch: build the next step's batches at the end of each step, while the GPU runs the
             update (given back to their streams if the pack's membership changes first).
+
+    Tensor parallelism (a model split by :func:`~plora_hpo.engine.tensor_parallel.shard_model`):
+    every rank of the group builds its own trainer the same way, adds and removes the same jobs
+    and calls :meth:`step` for the same steps; the data streams are seeded, so every rank feeds
+    the same batches, and the losses, reports and updates are the same on every rank. Needs
+    ``flat_storage``.
     """
 
     def __init__(
@@ -155,24 +162,26 @@ class PackedTrainer:
         pad_id: int,
         device: torch.device | str,
         micro_batch_tokens: int | None = None,
-        packing: str = "padded",
+        row_layout: str = "padded",
         activation_checkpointing: bool = False,
         fused_elementwise: bool | None = None,
-        packed_storage: bool = True,
+        flat_storage: bool = True,
         loss_chunk_tokens: int = LOSS_CHUNK_TOKENS,
         prefetch: bool = True,
     ) -> None:
-        if packing not in PACKINGS:
-            raise ValueError(f"unknown packing {packing!r}; use one of {PACKINGS}")
+        if row_layout not in ROW_LAYOUTS:
+            raise ValueError(f"unknown row_layout {row_layout!r}; use one of {ROW_LAYOUTS}")
         if micro_batch_tokens is not None and micro_batch_tokens <= 0:
             raise ValueError(f"micro_batch_tokens must be positive, got {micro_batch_tokens}")
+        if packed.parallel is not None and not flat_storage:
+            raise ValueError("a tensor-parallel pack trains with flat_storage=True; drop flat_storage=False")
         self.packed = packed
         self.settings = settings
         self.pad_id = pad_id
         self.device = torch.device(device)
         self.micro_batch_tokens = micro_batch_tokens
-        self.packing = packing
-        self.packed_storage = packed_storage
+        self.row_layout = row_layout
+        self.flat_storage = flat_storage
         self.loss_chunk_tokens = loss_chunk_tokens
         self.jobs: dict[str, AdapterJob] = {}
         self.streams: dict[str, DataStream] = {}
@@ -189,11 +198,12 @@ class PackedTrainer:
         else:
             unfuse_elementwise(packed.model)
         self._varlen_mask: torch.Tensor | None = None
-        if packing == "varlen":
+        if row_layout == "varlen":
             implementation = getattr(packed.model.config, "_attn_implementation", None)
             if implementation != "sdpa":
                 raise ValueError(
-                    f"packing='varlen' needs the model loaded with attn_implementation='sdpa', not {implementation!r}"
+                    "row_layout='varlen' needs the model loaded with attn_implementation='sdpa', "
+                    f"not {implementation!r}"
                 )
             install_varlen_attention()
             # placeholder, never read: the varlen attention ignores masks
@@ -209,8 +219,8 @@ class PackedTrainer:
         self.discard_prefetched()
         if job.adapter_id not in self.packed.configs:
             self.packed.add_adapter(job.adapter_id, job.config)
-        # packed storage: one flat parameter per adapter (and chunk of layers); else per-layer ones
-        if self.packed_storage:
+        # flat storage: one flat parameter per adapter (and chunk of layers); else per-layer ones
+        if self.flat_storage:
             params = list(self.packed.flat_parameters(job.adapter_id))
         else:
             self.packed.separate(job.adapter_id)  # dense per-layer storage, not views of a flat one
@@ -239,8 +249,8 @@ class PackedTrainer:
         """Stop training an adapter (finished, pruned or failed); its weights stay in the model."""
         if self._prefetched is not None and adapter_id in self._prefetched.ids:
             self.discard_prefetched()
-        if adapter_id in self.packed.packed_ids:
-            self.packed.unpack()  # repacked without it at the next step
+        if adapter_id in self.packed.stored_ids:
+            self.packed.release_storage()  # rebuilt without it at the next step
         self._drop_group(adapter_id)
         del self.jobs[adapter_id]
         del self.streams[adapter_id]
@@ -248,8 +258,8 @@ class PackedTrainer:
     def _drop_group(self, adapter_id: str) -> None:
         """Take an adapter out of the optimizer (its group, state and grads), nothing else.
 
-        Mid-step (a non-finite adapter) this must not unpack: unpacking drops every adapter's
-        accumulated gradients, and the healthy ones still need theirs for this step's update.
+        Mid-step (a non-finite adapter) this must not release the flat storage: releasing drops
+        every adapter's accumulated gradients, and the healthy ones still need theirs for this step's update.
         """
         assert self.optimizer is not None
         groups = self.optimizer.param_groups
@@ -280,7 +290,7 @@ class PackedTrainer:
     def _build_micro_batches(self, ids: Sequence[str]) -> list[MicroBatch]:
         groups = [(a, self.streams[a].take(self.jobs[a].config.batch_size)) for a in ids]
         return plan_micro_batches(
-            groups, self.pad_id, self.device, packing=self.packing, max_tokens=self.micro_batch_tokens
+            groups, self.pad_id, self.device, row_layout=self.row_layout, max_tokens=self.micro_batch_tokens
         )
 
     def _prefetch(self) -> None:
@@ -310,16 +320,16 @@ class PackedTrainer:
 
     # --- one step ---------------------------------------------------------------------
 
-    def _ensure_packed(self) -> None:
-        if not self.packed_storage:
+    def _ensure_storage(self) -> None:
+        if not self.flat_storage:
             return
-        if not self.packed.pack_intact(self.active):
-            self.packed.pack(self.active)
+        if not self.packed.storage_intact(self.active):
+            self.packed.build_storage(self.active)
             self._sync_flat_params()
         self.packed.refresh_compute()  # this step's bf16 copy of every adapter: one cast kernel
 
     def _sync_flat_params(self) -> None:
-        """After a repack, make sure each group holds its adapter's flat parameter (the same
+        """After the storage was rebuilt, make sure each group holds its adapter's flat parameter (the same
         object unless the adapter's storage was rebuilt from its per-layer parameters)."""
         assert self.optimizer is not None
         for group in self.optimizer.param_groups:
@@ -332,23 +342,26 @@ class PackedTrainer:
                         self.optimizer.state[flat] = state
                 flat.requires_grad_(True)
 
-    def _clip_packed(self, ids: list[str]) -> dict[str, torch.Tensor]:
+    def _clip_flat(self, ids: list[str]) -> dict[str, torch.Tensor]:
         """Per-adapter gradient norms, and clipping, on the adapters' flat gradients (a few
         launches for the whole pack instead of a clip_grad_norm_ call per adapter)."""
         assert self.optimizer is not None
         groups = {g["adapter_id"]: g for g in self.optimizer.param_groups}
-        grads = [p.grad for a in ids for p in groups[a]["params"]]
-        chunks = len(grads) // len(ids)
-        # like clip_grad_norm_: the norm of the per-tensor norms, per adapter
-        norms = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).view(len(ids), chunks), dim=1)
+        if self.packed.parallel is not None:
+            norms = self.packed.storage_grad_norms()  # over the whole model: a collective
+        else:
+            grads = [p.grad for a in ids for p in groups[a]["params"]]
+            chunks = len(grads) // len(ids)
+            # like clip_grad_norm_: the norm of the per-tensor norms, per adapter
+            norms = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)).view(len(ids), chunks), dim=1)
         max_norm = self.settings.max_grad_norm
         if max_norm is not None:
             # clip_grad_norm_'s coefficient, per adapter
             coefs = torch.clamp(max_norm / (norms + 1e-6), max=1.0)
-            pack = self.packed.current_pack
-            assert pack is not None and tuple(ids) == pack.ids  # _ensure_packed packed exactly these
-            row_coefs = coefs.index_select(0, pack.row_adapter).unsqueeze(1)  # one kernel per buffer
-            for grad in pack.grad:
+            storage = self.packed.flat_storage
+            assert storage is not None and tuple(ids) == storage.ids  # _ensure_storage stored exactly these
+            row_coefs = coefs.index_select(0, storage.row_adapter).unsqueeze(1)  # one kernel per buffer
+            for grad in storage.grad:
                 grad.mul_(row_coefs)
         return dict(zip(ids, norms.unbind()))
 
@@ -387,7 +400,7 @@ class PackedTrainer:
         """One optimizer step for every active adapter; returns their losses."""
         assert self.optimizer is not None and self.jobs, "add a job before stepping"
         started = time.perf_counter()
-        self._ensure_packed()
+        self._ensure_storage()
         micro_batches = self.next_micro_batches()
         ids = self.active
         label_totals = [sum(mb.label_counts[g] for mb in micro_batches) for g in range(len(ids))]
@@ -395,9 +408,10 @@ class PackedTrainer:
         losses = torch.zeros(len(ids), dtype=torch.float32, device=self.device)
         for mb in micro_batches:
             losses += self._forward_backward(mb, normalizers)
+        self.packed.reduce_storage_grads()  # tensor parallelism: complete replicated factors' gradients
 
         lrs, norms = {}, []
-        flat_norms = self._clip_packed(ids) if self.packed_storage else None
+        flat_norms = self._clip_flat(ids) if self.flat_storage else None
         for group in self.optimizer.param_groups:
             adapter_id = group["adapter_id"]
             job = self.jobs[adapter_id]
@@ -461,8 +475,8 @@ class PackedTrainer:
 
     def zero_grads(self) -> None:
         """Drop every adapter's accumulated gradients (after an update, or to undo a step)."""
-        if self.packed.packed_ids:
-            self.packed.zero_packed_grads()  # in place: the parameters' grads are views of these
+        if self.packed.stored_ids:
+            self.packed.zero_storage_grads()  # in place: the parameters' grads are views of these
         elif self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 

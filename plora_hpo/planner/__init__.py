@@ -10,10 +10,10 @@ calibration need numpy alone).
 """
 
 from plora_hpo.planner.baselines import Baselines
-from plora_hpo.planner.calibrate import cache_dir, load_calibration, record_observation
 from plora_hpo.planner.calibration import Calibration
 from plora_hpo.planner.cost_model import CostModel, GpuSpec, Workload
-from plora_hpo.planner.model_names import resolve_model, shape_name_for
+from plora_hpo.planner.model_names import resolve_model, shape_name_for_model, shape_name_for_shape
+from plora_hpo.planner.observations import cache_dir, load_calibration, record_observation
 from plora_hpo.planner.plan import plan_packs, steps_for_epochs
 from plora_hpo.planner.schedule import Schedule
 from plora_hpo.planner.simulate import JobPlanner, PlannedPack, UnschedulableError, run_to_completion
@@ -34,6 +34,7 @@ __all__ = [
     "record_observation",
     "resolve_model",
     "run_to_completion",
-    "shape_name_for",
+    "shape_name_for_model",
+    "shape_name_for_shape",
     "steps_for_epochs",
 ]

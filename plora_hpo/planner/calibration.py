@@ -2,7 +2,8 @@
 
 Why separate factors per term: launch-bound small models, compute-bound large models and the
 memory of activations vs weights err in different directions; one global factor would trade one
-error for another. All factors are 1.0 for the uncalibrated prior.
+error for another. All factors are 1.0 for the uncalibrated prior. The factors are fitted from
+measured packs, stored and loaded by :mod:`plora_hpo.planner.observations`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.planner.cost_model import GpuSpec
 from plora_hpo.planner.gantt import write_gantt
 from plora_hpo.planner.ilp import SOLVERS
-from plora_hpo.planner.model_names import resolve_model, shape_name_for
+from plora_hpo.planner.model_names import resolve_model, shape_name_for_model
 from plora_hpo.planner.plan import plan_packs, steps_for_epochs
 from plora_hpo.planner.schedule import Schedule
 from plora_hpo.shapes import TARGET_MODULES
@@ -101,7 +101,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
         raise ConfigError(f"{path}: the space has ranges; pass --samples N to plan N sampled configs")
     if model is None:
         raise ConfigError(f"{path}: a search-space file names no model; pass --model, e.g. --model qwen2.5-7b")
-    if shape_name_for(model) is None and args.model is None:
+    if shape_name_for_model(model) is None and args.model is None:
         raise ConfigError(f"model {model!r} of {path} is not a known shape; pass --model, e.g. --model qwen2.5-7b")
     shape_name, shape = resolve_model(model)
     configs = space.enumerate_configs(samples)

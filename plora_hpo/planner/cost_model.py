@@ -6,7 +6,7 @@ alive (weights, each layer's saved activations, one logits chunk, adapter factor
 AdamW states; see :class:`Prior`), time is FLOPs ÷ measured matmul rate plus bytes ÷ bandwidth
 plus host launch time. It is scaled per (model, GPU) by a
 :class:`~plora_hpo.planner.calibration.Calibration` fitted from the first iterations of real
-packs (:mod:`plora_hpo.planner.calibrate`).
+packs (:mod:`plora_hpo.planner.observations`).
 
 Every quantity splits into a part shared by the pack (``overhead_terms``, ``base_memory_terms``)
 plus one part per adapter (``adapter_terms``, ``adapter_memory_terms``). That additivity is what
@@ -153,39 +153,39 @@ class Prior:
       residual (2h); the q/k/v and gate/up projections (and their LoRA kernels) share the two
       norm outputs (2h); flash attention keeps q (h), k and v (2kv, GQA not repeated) and its
       output (h), which o_proj reuses; the fused SwiGLU keeps gate and up (2i) and down_proj its
-      input (i). Total 6h + 2kv + 3i (the H200 run without fusion measured 15.2 GiB more at
-      qwen2.5-1.5b K 32; the 2h + i that eager RMSNorm's fp32 copies and eager SiLU add predict 15.4).
+      input (i). Total 6h + 2kv + 3i (without fusion, qwen2.5-1.5b K 32 on an H200 measures 15.2 GiB
+      more; the 2h + i that eager RMSNorm's fp32 copies and eager SiLU add predict 15.4).
     * each LoRA kernel keeps its rank buffer ``x·Aᵀ``: r_k per token per target;
     * after the last layer: the final norm's input, its output, the trained rows selected from it
       and the loss's precomputed hidden gradient (4h per token);
     * one chunk of logits, overwritten in place by their gradient (2 bytes per logit);
-    * adapters: fp32 factor, gradient (packed buffers, zeroed in place, never freed), AdamW
+    * adapters: fp32 factor, gradient (flat storage buffers, zeroed in place, never freed), AdamW
       ``exp_avg`` and ``exp_avg_sq`` (16 bytes per parameter), plus the bf16 copy of every
-      layer's packed factors that the kernels save for the backward (2 more; one layer's worth
+      layer's concatenated factors that the kernels save for the backward (2 more; one layer's worth
       under checkpointing, where the copy is recomputed layer by layer).
 
     Step time: the larger of host launches (per layer, adapted projection and forward, plus per
     adapter) and device time (matmul FLOPs ÷ measured peak, activation and LoRA bytes ÷
     bandwidth, a fixed time per layer and forward, the optimizer update). The update is device
     time only: the engine does not wait for it at the end of a step, so the next step's
-    launches overlap it. The constants come from the H200 runs of 2026-11-30. Memory, matmul,
-    traffic, LoRA and optimizer constants were fitted to a profile of one
-    qwen2.5-1.5b K 32 step: cuBLAS and cuDNN attention 0.217 s for 155.5 TFLOP (efficiency 0.93);
+    launches overlap it. Memory, matmul, traffic, LoRA and optimizer constants are fitted to an
+    H200 profile of one qwen2.5-1.5b K 32 step with eager rotary embedding and per-layer weight
+    gradients: cuBLAS and cuDNN attention 0.217 s for 155.5 TFLOP (efficiency 0.93);
     LoRA kernels 0.081 s, of which their activation bytes take 0.047 s, leaving 8.05 TFLOP at 0.3
     of the peak; AdamW, norms, clip and zeroing ≈ 0.024 s for 1.74 G parameters × 44 bytes (0.74
     of the bandwidth); SwiGLU, RMSNorm, cross-entropy and the other elementwise kernels ≈ 0.049 s
-    besides the adapter casts (3.7 passes over the saved activations, plus the logits). The
-    current file (``benchmarks/results/throughput-h200.json``, after the rotary embedding was
-    fused and the weight-gradient kernels began adding into the fp32 pack gradient) profiles
-    cuBLAS at 0.217 s, the LoRA kernels at 0.092 s (they now also read and write the fp32
-    gradient), the elementwise families at 0.057 s and the optimizer at 0.019 s; with the prior
-    these predict 0.271 s for base + elementwise (profile 0.275) and 0.088 s for LoRA, so those
-    constants stand; the per-forward adapter bytes drop to the bf16 cast (6) and the
-    kernels' fp32 read-modify-write of the gradient (8). Its step (0.403 s) exceeds the kernels'
+    besides the adapter casts (3.7 passes over the saved activations, plus the logits). The same
+    step with the fused rotary embedding and weight-gradient kernels that add into the fp32
+    gradient buffer (``benchmarks/results/throughput-h200.json``) profiles cuBLAS at 0.217 s, the
+    LoRA kernels at 0.092 s (they also read and write the fp32 gradient), the elementwise
+    families at 0.057 s and the optimizer at 0.019 s; the prior predicts 0.271 s for base +
+    elementwise (profile 0.275) and 0.088 s for LoRA, so the constants hold for it; its
+    per-forward adapter bytes are the bf16 cast (6) and the kernels' fp32 read-modify-write of
+    the gradient (8). Its step (0.403 s) exceeds the kernels'
     busy time (0.387 s) by 0.016 s: the gaps between its 2585 kernels, 0.57 ms per layer and
     forward. Its host-bound rows (K 1 0.149 s, K 8 0.173 s) give 0.146 s per forward of 28
     layers and 3.4 ms per adapter; of a layer's 5.2 ms, 0.46 ms per adapted projection (in the
-    same proportion as the first profile's host times). Calibration corrects them per (model, GPU).
+    same proportion as the other profile's host times). Calibration corrects them per (model, GPU).
     """
 
     # memory: saved elements per token and decoder layer
@@ -208,7 +208,7 @@ class Prior:
     step_param_bytes: float = 44.0  # AdamW 28 (4 reads, 3 writes) + grad-norm clip 12 + zeroing 4
     micro_param_bytes: float = 14.0  # per forward: bf16 cast 6 + the kernels' fp32 gradient read and write 8
     # AdamW (one parameter group per adapter), norms, clip and zeroing reach this share of the
-    # bandwidth; the per-forward casts run on the contiguous packed buffers at full bandwidth.
+    # bandwidth; the per-forward casts run on the contiguous flat storage buffers at full bandwidth.
     optimizer_bandwidth_efficiency: float = 0.74
     gpu_fixed_per_layer_s: float = 0.57e-3  # per forward: GPU gaps between the layer's kernels
     launch_per_layer_s: float = 1.98e-3  # host time per layer and forward, besides the projections
@@ -218,7 +218,7 @@ class Prior:
 
 
 # Eager transformers + PEFT (one adapter, unfused ops, full fp32 logits): least-squares fitted to
-# the seven H200 reference runs of :mod:`plora_hpo.planner.reference` (r 16 on all seven projections, seq 512); they
+# the seven H200 reference runs of :mod:`plora_hpo.planner.peft_h200` (r 16 on all seven projections, seq 512); they
 # reproduce all seven peaks within 1% and step times within 10%.
 PEFT_PRIOR = Prior(
     saved_per_hidden=15.7,

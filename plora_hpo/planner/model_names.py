@@ -10,15 +10,15 @@ from __future__ import annotations
 import re
 
 from plora_hpo.errors import ConfigError
-from plora_hpo.shapes import MODEL_SHAPES, ModelShape
+from plora_hpo.shapes import MODEL_SHAPES, ModelShape, shape_by_name
 
 _VARIANT_SUFFIX = re.compile(r"-(instruct|chat|base|it)$")
 
 
-def shape_name_for(model: str) -> str | None:
+def shape_name_for_model(model: str) -> str | None:
     """The MODEL_SHAPES name for a shape name, ``random:<shape>``, hub id or path; None if unknown.
 
-    >>> shape_name_for("Qwen/Qwen2.5-7B-Instruct")
+    >>> shape_name_for_model("Qwen/Qwen2.5-7B-Instruct")
     'qwen2.5-7b'
     """
     key = model.strip().removeprefix("random:").rstrip("/").rsplit("/", 1)[-1].lower()
@@ -26,14 +26,15 @@ def shape_name_for(model: str) -> str | None:
     return key if key in MODEL_SHAPES else None
 
 
+def shape_name_for_shape(shape: ModelShape) -> str | None:
+    """The MODEL_SHAPES name whose dimensions equal ``shape``; None for a shape not listed there."""
+    return next((name for name, known in MODEL_SHAPES.items() if known == shape), None)
+
+
 def resolve_model(model: str) -> tuple[str, ModelShape]:
-    """(shape name, shape) for ``model``; a one-line error lists the known shapes."""
-    name = shape_name_for(model)
+    """(shape name, shape) for ``model`` (as :func:`shape_name_for_model` reads it); a one-line
+    error lists the known shapes."""
+    name = shape_name_for_model(model)
     if name is None:
         raise ConfigError(f"unknown model shape {model!r}; pass --model with one of: {', '.join(MODEL_SHAPES)}")
-    return name, MODEL_SHAPES[name]
-
-
-def shape_name_of(shape: ModelShape) -> str | None:
-    """Reverse lookup: the MODEL_SHAPES name whose dimensions equal ``shape``."""
-    return next((name for name, known in MODEL_SHAPES.items() if known == shape), None)
+    return name, shape_by_name(name)

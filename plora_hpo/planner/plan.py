@@ -9,10 +9,10 @@ from collections.abc import Sequence
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.errors import PloraError
 from plora_hpo.planner.baselines import compute_baselines
-from plora_hpo.planner.calibrate import load_calibration
 from plora_hpo.planner.calibration import Calibration
 from plora_hpo.planner.cost_model import CostModel, GpuSpec, Workload
-from plora_hpo.planner.model_names import resolve_model, shape_name_of
+from plora_hpo.planner.model_names import resolve_model, shape_name_for_shape
+from plora_hpo.planner.observations import load_calibration
 from plora_hpo.planner.schedule import Schedule
 from plora_hpo.planner.simulate import JobPlanner, PlannedPack, run_to_completion
 from plora_hpo.shapes import TARGET_MODULES, ModelShape
@@ -73,7 +73,7 @@ def plan_packs(
     started = time.perf_counter()
     if not configs:
         raise PloraError("nothing to plan: the search space yields no configs; add choices or pass --samples N")
-    shape_name, model_shape = resolve_model(shape) if isinstance(shape, str) else (shape_name_of(shape), shape)
+    shape_name, model_shape = resolve_model(shape) if isinstance(shape, str) else (shape_name_for_shape(shape), shape)
     if calibration is None:
         calibration = load_calibration(shape_name, gpu.name) if shape_name else Calibration()
     workload = Workload(model_shape, seq_len, tuple(targets), dtype_bytes, checkpointing, logits_chunk_tokens)

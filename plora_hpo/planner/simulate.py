@@ -9,7 +9,6 @@ left), and decides again at the next event with the true clock. The sweep runner
     for pack in planner.next_packs():             # start these (pack.gpus, pack.configs)
         ...
     planner.finished(pack.pack_id, actual_seconds)  # when one ends; then next_packs() again
-    planner.forecast()                              # predicted queue and makespan of the rest
 
 :func:`run_to_completion` plays the same loop with predicted durations, which is how a whole plan
 is made ahead of time.
@@ -17,7 +16,6 @@ is made ahead of time.
 
 from __future__ import annotations
 
-import copy
 import heapq
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -317,10 +315,6 @@ class JobPlanner:
             other.end = max(other.end, self.now)
         self.completed.append(pack)
         return pack
-
-    def forecast(self) -> list[PlannedPack]:
-        """Predicted packs from now to the end (running ones first): the queue and its makespan."""
-        return run_to_completion(copy.deepcopy(self))
 
 
 def run_to_completion(planner: JobPlanner) -> list[PlannedPack]:

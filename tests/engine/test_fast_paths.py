@@ -1,7 +1,7 @@
 """The engine's speed knobs change how a step is computed, never what it computes.
 
-Each knob (micro-batching with length bucketing, padding-free packing, activation
-checkpointing, fused elementwise ops, packed adapter storage) is compared in fp32 on the CPU
+Each knob (micro-batching with length bucketing, padding-free rows of concatenated sequences,
+activation checkpointing, fused elementwise ops, flat adapter storage) is compared in fp32 on the CPU
 with the plain path, which test_parity_peft.py ties to PEFT.
 """
 
@@ -74,12 +74,12 @@ def reference():
     "knobs",
     [
         {"micro_batch_tokens": 40},
-        {"packing": "varlen"},
-        {"packing": "varlen", "micro_batch_tokens": 50},
+        {"row_layout": "varlen"},
+        {"row_layout": "varlen", "micro_batch_tokens": 50},
         {"activation_checkpointing": True},
-        {"activation_checkpointing": True, "packing": "varlen", "micro_batch_tokens": 64},
+        {"activation_checkpointing": True, "row_layout": "varlen", "micro_batch_tokens": 64},
         {"fused_elementwise": True},
-        {"packed_storage": False},
+        {"flat_storage": False},
         {"loss_chunk_tokens": 7},
     ],
     ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()),
@@ -89,7 +89,7 @@ def test_knob_keeps_the_step(reference, family, knobs):
     assert_same(reference[family], result)
     if "micro_batch_tokens" in knobs:
         assert result[2].micro_batches > result[2].steps  # the step really was split
-    if knobs.get("packing") == "varlen":
+    if knobs.get("row_layout") == "varlen":
         assert result[2].padded_tokens == result[2].tokens  # no padding computed
 
 
@@ -109,7 +109,7 @@ def test_bucketing_cuts_padding():
 
 def test_varlen_micro_batch_targets_stay_inside_sequences():
     rows = random_examples(5, seed=8, min_len=4, max_len=9)
-    (mb,) = plan_micro_batches([("a", rows[:2]), ("b", rows[2:])], 0, "cpu", packing="varlen")
+    (mb,) = plan_micro_batches([("a", rows[:2]), ("b", rows[2:])], 0, "cpu", row_layout="varlen")
     assert mb.input_ids.shape == (1, sum(len(r.input_ids) for r in rows))
     want_targets = []
     for r in rows:
@@ -157,26 +157,26 @@ def test_fused_elementwise_is_reversible():
     assert torch.allclose(got, want, atol=1e-5)
 
 
-def test_repacks_after_parameters_are_repointed():
-    """Evaluation may page adapters (``p.data = ...``): the trainer notices and repacks."""
+def test_storage_is_rebuilt_after_parameters_are_repointed():
+    """Evaluation may page adapters (``p.data = ...``): the trainer notices and rebuilds the flat storage."""
     base = tiny_model("llama")
     packed = PackedLoraModel(base, TARGETS)
     trainer = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu")
     trainer.add_job(AdapterJob("a0", CONFIGS[0], random_examples(6, seed=1), 4))
     trainer.add_job(AdapterJob("a1", CONFIGS[1], random_examples(6, seed=2), 4))
     trainer.step()
-    assert packed.pack_intact(["a0", "a1"])
+    assert packed.storage_intact(["a0", "a1"])
     for p in packed.parameters_of("a1"):
         p.data = p.data.clone()
-    assert not packed.pack_intact(["a0", "a1"])
+    assert not packed.storage_intact(["a0", "a1"])
     before = {k: v.clone() for k, v in packed.state_dict_of("a1").items()}
     trainer.step()
-    assert packed.pack_intact(["a0", "a1"])
+    assert packed.storage_intact(["a0", "a1"])
     after = packed.state_dict_of("a1")
     assert any(rel_err(after[k], before[k]) > 0 for k in before if "lora_B" in k)  # it trained
     trainer.remove_job("a0")
     trainer.step()
-    assert packed.packed_ids == ("a1",)
+    assert packed.stored_ids == ("a1",)
 
 
 def test_gpu_triton_kernels_under_interpreter():
@@ -213,8 +213,8 @@ def test_gpu_triton_kernels_under_interpreter():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_packed_storage_through_triton_kernels_under_interpreter():
-    """Packed (transposed-B) storage through the Triton kernels equals the reference path (fp32)."""
+def test_flat_storage_through_triton_kernels_under_interpreter():
+    """Flat (transposed-B) storage through the Triton kernels equals the reference path (fp32)."""
     code = textwrap.dedent(
         """
         import copy, os, torch
@@ -247,9 +247,9 @@ def test_packed_storage_through_triton_kernels_under_interpreter():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_packed_storage_uses_flat_parameters_and_one_compute_copy():
-    """Packed storage: one flat optimizer parameter per adapter, per-layer parameters are views of
-    it, gradients reach the fp32 pack gradient through the compute copy, and a forward outside a
+def test_flat_storage_uses_flat_parameters_and_one_compute_copy():
+    """Flat storage: one flat optimizer parameter per adapter, per-layer parameters are views of
+    it, gradients reach the fp32 storage gradient through the compute copy, and a forward outside a
     step (copy stale after the update) sees the updated weights."""
     base = tiny_model("qwen2")
     packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
@@ -263,8 +263,8 @@ def test_packed_storage_uses_flat_parameters_and_one_compute_copy():
     original = packed_lora.adapted_linear
 
     def spy(x, weight, bias, a_cat, b_cat, layout, grads_into=None):
-        pack = packed.current_pack
-        hits.append(grads_into is not None and a_cat.untyped_storage().data_ptr() == pack.compute[0].data_ptr())
+        storage = packed.flat_storage
+        hits.append(grads_into is not None and a_cat.untyped_storage().data_ptr() == storage.compute[0].data_ptr())
         return original(x, weight, bias, a_cat, b_cat, layout, grads_into=grads_into)
 
     packed_lora.adapted_linear = spy
@@ -272,21 +272,21 @@ def test_packed_storage_uses_flat_parameters_and_one_compute_copy():
         trainer.step()
     finally:
         packed_lora.adapted_linear = original
-    assert hits and all(hits)  # every layer call took the packed path: compute copy in, pack gradient out
-    pack = packed.current_pack
+    assert hits and all(hits)  # every layer call took the flat storage: compute copy in, its gradient out
+    storage = packed.flat_storage
     assert flat is packed.flat_parameters("a1")[0]
-    assert flat.data_ptr() == pack.master[0][pack.row_offsets[1]].data_ptr()
+    assert flat.data_ptr() == storage.master[0][storage.row_offsets[1]].data_ptr()
     for p in packed.parameters_of("a1"):
-        assert p.untyped_storage().data_ptr() == pack.master[0].untyped_storage().data_ptr()
-    assert not pack.fresh and float(pack.grad[0].abs().sum()) == 0.0  # updated, grads zeroed in place
+        assert p.untyped_storage().data_ptr() == storage.master[0].untyped_storage().data_ptr()
+    assert not storage.fresh and float(storage.grad[0].abs().sum()) == 0.0  # updated, grads zeroed in place
     ids = torch.randint(1, 90, (2, 9))
     with packed.route([("a0", 1), ("a1", 1)]):
         stale_path = packed.model(ids).logits
-    packed.unpack()
+    packed.release_storage()
     with packed.route([("a0", 1), ("a1", 1)]):
         want = packed.model(ids).logits
     assert torch.equal(stale_path, want)
-    trainer.step()  # repacks, same flat parameter objects (their AdamW state carries on)
+    trainer.step()  # rebuilds the storage, same flat parameter objects (their AdamW state carries on)
     assert flat is trainer.optimizer.param_groups[1]["params"][0] and trainer.optimizer.state[flat]["step"] == 2
 
 
@@ -295,19 +295,19 @@ def test_bf16_compute_copy_is_one_cast_of_the_master():
     packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
     for i in range(2):
         packed.add_adapter(f"a{i}", CONFIGS[i])
-    packed.pack(["a0", "a1"])
+    packed.build_storage(["a0", "a1"])
     packed.refresh_compute(torch.bfloat16)
-    pack = packed.current_pack
-    assert pack.compute[0].dtype == torch.bfloat16
-    assert torch.equal(pack.compute[0], pack.master[0].to(torch.bfloat16))
+    storage = packed.flat_storage
+    assert storage.compute[0].dtype == torch.bfloat16
+    assert torch.equal(storage.compute[0], storage.master[0].to(torch.bfloat16))
     layer = next(iter(packed.layers.values()))
-    assert layer._slot.a.is_leaf and layer._slot.a.data_ptr() == pack.compute[0].data_ptr()
+    assert layer._slot.a.is_leaf and layer._slot.a.data_ptr() == storage.compute[0].data_ptr()
     layer.base.to(torch.bfloat16)
     x = torch.randn(5, layer.in_features).to(torch.bfloat16)
     with packed.route([("a0", 2), ("a1", 3)]):
         layer(x).float().square().sum().backward()
         layout = packed.router.current.layout(1)
-    # the gradients went into the fp32 pack gradient, not to the bf16 leaves
+    # the gradients went into the fp32 storage gradient, not to the bf16 leaves
     assert layer._slot.a.grad is None and layer._slot.b.grad is None
     a, b = (t.detach().clone().requires_grad_() for t in (layer._slot.a, layer._slot.b))
     adapted_linear(x, layer.base.weight, None, a, b, layout).float().square().sum().backward()
@@ -316,11 +316,11 @@ def test_bf16_compute_copy_is_one_cast_of_the_master():
     assert float(b.grad.abs().sum()) > 0  # B starts at zero, so dA is zero but dB is not
     packed.router.cast_adapters = False
     packed.refresh_compute(torch.bfloat16)
-    assert packed.current_pack.compute is pack.master
+    assert packed.flat_storage.compute is storage.master
 
 
 def test_layers_are_chunked_so_kernel_offsets_stay_32_bit(monkeypatch):
-    """Several pack buffers (chunks of layers) behave exactly like one."""
+    """Several storage buffers (chunks of layers) behave exactly like one."""
     from plora_hpo.engine import packed_lora
 
     reference = train("llama")
@@ -330,9 +330,9 @@ def test_layers_are_chunked_so_kernel_offsets_stay_32_bit(monkeypatch):
     assert_same(reference, train("llama"), tol=1e-6)
 
 
-def test_unpacked_trainer_after_a_packed_one_gets_dense_parameters():
+def test_per_layer_trainer_after_a_flat_storage_one_gets_dense_parameters():
     """Adapters kept in the model between trainers (benchmark rows): a per-layer-parameter trainer
-    after a packed one must not train strided views of the old flat parameters."""
+    after a flat-storage one must not train strided views of the old flat parameters."""
     packed = PackedLoraModel(tiny_model("llama"), TARGETS)
     first = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu")
     first.add_job(AdapterJob("a0", CONFIGS[0], random_examples(6, seed=1), 4))
@@ -340,7 +340,7 @@ def test_unpacked_trainer_after_a_packed_one_gets_dense_parameters():
     first.remove_job("a0")
     assert not all(p.is_contiguous() for p in packed.parameters_of("a0"))  # views of the flat one
     before = {k: v.clone() for k, v in packed.state_dict_of("a0").items()}
-    second = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu", packed_storage=False)
+    second = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu", flat_storage=False)
     second.add_job(AdapterJob("a0", CONFIGS[0], random_examples(6, seed=1), 4))
     assert all(p.is_contiguous() for p in packed.parameters_of("a0"))
     assert all(torch.equal(packed.state_dict_of("a0")[k], v) for k, v in before.items())

@@ -24,11 +24,11 @@ STEPS = 5
 FAULT_STEP = 3  # the bad adapter's weights turn NaN just before this packed step
 
 
-def train(ids, *, poison: str | None = None, packed_storage: bool = True, max_grad_norm=0.5):
+def train(ids, *, poison: str | None = None, flat_storage: bool = True, max_grad_norm=0.5):
     base = tiny_model("llama")
     packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
     settings = OptimizerSettings(**{**SETTINGS.__dict__, "max_grad_norm": max_grad_norm})
-    trainer = PackedTrainer(packed, settings=settings, pad_id=0, device="cpu", packed_storage=packed_storage)
+    trainer = PackedTrainer(packed, settings=settings, pad_id=0, device="cpu", flat_storage=flat_storage)
     for i, adapter_id in enumerate(CONFIGS):
         if adapter_id in ids:
             examples = random_examples(12, seed=500 + i, min_len=4, max_len=20)
@@ -49,14 +49,14 @@ def train(ids, *, poison: str | None = None, packed_storage: bool = True, max_gr
     return reports, weights, snapshot, trainer
 
 
-@pytest.mark.parametrize("packed_storage", [True, False])
+@pytest.mark.parametrize("flat_storage", [True, False])
 @pytest.mark.parametrize("max_grad_norm", [0.5, None])
-def test_nan_adapter_leaves_pack_and_others_are_bitwise_unchanged(packed_storage, max_grad_norm):
+def test_nan_adapter_leaves_pack_and_others_are_bitwise_unchanged(flat_storage, max_grad_norm):
     reports, weights, snapshot, trainer = train(
-        list(CONFIGS), poison="bad", packed_storage=packed_storage, max_grad_norm=max_grad_norm
+        list(CONFIGS), poison="bad", flat_storage=flat_storage, max_grad_norm=max_grad_norm
     )
     alone_reports, alone_weights, _, _ = train(
-        ["good0", "good1"], packed_storage=packed_storage, max_grad_norm=max_grad_norm
+        ["good0", "good1"], flat_storage=flat_storage, max_grad_norm=max_grad_norm
     )
 
     bad = [r for r in reports if r.adapter_id == "bad"]

@@ -9,7 +9,8 @@ import torch
 from peft import PeftModel
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.engine import AdapterJob, DataStream, OptimizerSettings, PackedLoraModel, PackedTrainer, collate
+from plora_hpo.engine import AdapterJob, DataStream, OptimizerSettings, PackedLoraModel, PackedTrainer
+from plora_hpo.engine.batching import IGNORE_INDEX
 from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.engine.trainer import lr_multiplier
 
@@ -28,6 +29,20 @@ STEPS = [6, 4, 6, 5]  # adapters leave the pack at different steps
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def right_padded(examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels) of one adapter's batch, right-padded as PEFT users do."""
+    length = max(len(ex.input_ids) for ex in examples)
+    input_ids = torch.zeros((len(examples), length), dtype=torch.long)
+    labels = torch.full((len(examples), length), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(examples), length), dtype=torch.long)
+    for i, ex in enumerate(examples):
+        n = len(ex.input_ids)
+        input_ids[i, :n] = torch.tensor(ex.input_ids)
+        labels[i, :n] = torch.tensor(ex.labels)
+        mask[i, :n] = 1
+    return input_ids, mask, labels
 
 
 def train_packed(base, datasets, tmp_path):
@@ -49,8 +64,8 @@ def train_alone_with_peft(base, init_dir, config, examples, steps):
     stream = DataStream(examples, config.seed)
     losses = []
     for step in range(steps):
-        batch = collate([("alone", stream.take(config.batch_size))], pad_id=0, device="cpu")
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels)
+        input_ids, mask, labels = right_padded(stream.take(config.batch_size))
+        out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         out.loss.backward()
         for group in optimizer.param_groups:
             group["lr"] = config.learning_rate * lr_multiplier(SETTINGS.lr_schedule, step, steps, SETTINGS.warmup_ratio)

@@ -1,4 +1,4 @@
-"""Cost model: memory and step time move the right way, and the prior matches DESIGN.md §6."""
+"""Cost model: memory and step time move the right way, and the PEFT prior matches the H200 PEFT measurements."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.planner.cost_model import GIB, CostModel, GpuSpec, Workload
-from plora_hpo.planner.reference import PEFT_H200_REFERENCE
+from plora_hpo.planner.peft_h200 import PEFT_H200_REFERENCE
 from plora_hpo.shapes import shape_by_name
 from tests.planner._configs import config
 

@@ -1,17 +1,17 @@
 """The cost model against real packs measured on an H200: the prior alone, and calibration fitted
-on small packs predicting larger, different ones (issue 3: memory within 10%, step within 15%).
+on small packs predicting larger, different ones (goal: memory within 10%, step within 15%).
 
-The prior's constants were derived from this same run (its K 32 profile and its K 1 / K 8 / micro
-rows), so the prior checks are in-sample for those rows; the 7B rows and seq 1024 were not used.
-The calibration checks then show that fitting on small packs keeps the large ones within bounds;
-they fail when a new GPU run measures an engine the prior no longer describes."""
+The prior's constants were derived from these same measurements (the K 32 profile and the K 1 /
+K 8 / micro rows), so the prior checks are in-sample for those rows; the 7B rows and seq 1024 were
+not used. The calibration checks show that fitting on small packs keeps the large ones within
+bounds; they fail when measurements of the engine stop matching what the prior describes."""
 
 from __future__ import annotations
 
 import pytest
 
-from plora_hpo.planner.calibrate import Observation, held_out_errors
 from plora_hpo.planner.cost_model import CostModel, GpuSpec
+from plora_hpo.planner.observations import Observation, held_out_errors
 from plora_hpo.shapes import shape_by_name
 from tests.planner._h200_observations import MATMUL_TFLOPS, MEASURED
 

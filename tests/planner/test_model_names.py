@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plora_hpo.errors import ConfigError
-from plora_hpo.planner.model_names import resolve_model, shape_name_for, shape_name_of
+from plora_hpo.planner.model_names import resolve_model, shape_name_for_model, shape_name_for_shape
 from plora_hpo.shapes import shape_by_name
 
 
@@ -22,11 +22,11 @@ from plora_hpo.shapes import shape_by_name
     ],
 )
 def test_shape_names(model, name):
-    assert shape_name_for(model) == name
+    assert shape_name_for_model(model) == name
 
 
 def test_resolve_and_reverse_lookup():
     name, shape = resolve_model("Qwen/Qwen2.5-1.5B")
-    assert name == "qwen2.5-1.5b" and shape == shape_by_name(name) and shape_name_of(shape) == name
+    assert name == "qwen2.5-1.5b" and shape == shape_by_name(name) and shape_name_for_shape(shape) == name
     with pytest.raises(ConfigError, match="pass --model with one of: smollm2-135m"):
         resolve_model("gpt-9")

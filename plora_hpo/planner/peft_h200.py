@@ -1,6 +1,7 @@
-"""The H200 reference measurements (eager PEFT) that the cost model's prior is checked against.
+"""Eager PEFT measured on one H200: the reference the cost model's PEFT prior is fitted and checked against.
 
-Eager PEFT, LoRA r 16 on all seven projections, seq 512, bf16, full logits, measured 2026-11-29.
+One adapter trained with transformers + PEFT, LoRA r 16 on all seven projections, seq 512, bf16,
+full logits: what users run without packing.
 """
 
 PEFT_H200_REFERENCE: list[tuple[str, int, float, float]] = [  # (model, batch, tokens/s, peak GiB)

@@ -10,7 +10,7 @@ import torch
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.checkpoints import CheckpointStore, read_checkpoint
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
-from plora_hpo.engine.resume import abort_step, capture, restore, stream_positions
+from plora_hpo.engine.adapter_state import abort_step, capture, restore, stream_positions
 from plora_hpo.errors import CheckpointError
 
 from .conftest import random_examples, tiny_model
@@ -103,7 +103,7 @@ def test_aborted_step_leaves_no_trace():
             t.add_job(job(a))
         t.step()
     positions = stream_positions(faulty)
-    faulty._ensure_packed()
+    faulty._ensure_storage()
     for mb in faulty.next_micro_batches():  # a step that dies after its backward, before its update
         faulty._forward_backward(mb, torch.ones(len(CONFIGS)))
     abort_step(faulty, positions)

@@ -8,15 +8,15 @@ import json
 import pytest
 
 from plora_hpo.errors import PloraError
-from plora_hpo.planner.calibrate import (
+from plora_hpo.planner.calibration import Calibration
+from plora_hpo.planner.cost_model import CostModel, GpuSpec, Workload
+from plora_hpo.planner.observations import (
     Observation,
     calibration_path,
     fit_calibration,
     load_calibration,
     record_observation,
 )
-from plora_hpo.planner.calibration import Calibration
-from plora_hpo.planner.cost_model import CostModel, GpuSpec, Workload
 from plora_hpo.planner.plan import plan_packs
 from plora_hpo.shapes import TARGET_MODULES, shape_by_name
 from tests.planner._configs import config

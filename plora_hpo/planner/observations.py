@@ -1,8 +1,9 @@
-"""Fit calibration factors from measured packs and keep them per (model, GPU) on disk.
+"""Measured packs (observations) kept per (model, GPU) on disk, and the factors fitted from them.
 
 Why: the analytic prior is only as good as its constants; the first iterations of every real pack
 say how far off it is. Observations accumulate in one JSON file per (model, GPU) under the cache
-directory, every new one refits the factors, and the next :func:`load_calibration` (called by
+directory, every new one refits the :class:`~plora_hpo.planner.calibration.Calibration` factors
+stored next to them, and the next :func:`load_calibration` (called by
 :func:`~plora_hpo.planner.plan.plan_packs`) starts calibrated.
 
 Cache directory: ``$PLORA_HPO_CACHE/calibration`` when that variable is set, else
@@ -36,8 +37,10 @@ from plora_hpo.shapes import ModelShape
 MAX_KEPT_OBSERVATIONS = 256
 _RIDGE = 1e-4  # pull towards the prior, so few observations move only the factors they inform
 _BOUNDS = (0.05, 20.0)
-# engine knobs the cost model describes; an observation with any other knob set differently (e.g.
-# packed_storage off, eager ops) measured something else: callers fit only ``Observation.modelled``
+# engine knobs the cost model describes, under the names benchmark rows record them ("packing" is
+# the trainer's row_layout, "packed_storage" its flat_storage); an observation with any other knob
+# set differently (e.g. flat storage off, eager ops) measured something else: callers fit only
+# ``Observation.modelled``
 _MODELLED_KNOBS = {
     "micro_batch_tokens",
     "activation_checkpointing",
@@ -69,7 +72,7 @@ class Observation:
     @property
     def modelled(self) -> bool:
         """Whether the run used engine settings the cost model describes (the defaults, micro-batching,
-        checkpointing, the loss chunk); e.g. a benchmark row with packed storage or prefetch off is not."""
+        checkpointing, the loss chunk); e.g. a benchmark row with flat storage or prefetch off is not."""
         k = self.knobs
         return (
             set(k) <= _MODELLED_KNOBS
