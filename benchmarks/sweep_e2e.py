@@ -308,7 +308,9 @@ def peft_trial(params: dict, setup: dict) -> dict:
     from transformers import AutoModelForCausalLM, get_linear_schedule_with_warmup
 
     from plora_hpo.engine.batching import DataStream
-    from plora_hpo.evaluation.runner import FEWSHOT_SEED, _tasks
+    from plora_hpo.evaluation.runner import FEWSHOT_SEED, lm_eval_tasks
+    from plora_hpo.evaluation.sampling import document_sample
+    from plora_hpo.study import FINAL_LOSS_STEPS
     from plora_hpo.tasks import build_eval_tasks, get_task, load_train_examples
 
     device = setup["device"]
@@ -372,9 +374,15 @@ def peft_trial(params: dict, setup: dict) -> dict:
         batch_size=setup["eval_batch_size"],
     )
     task_dict = build_eval_tasks(setup["task"], data_dir=setup["data_dir"])
-    for task in _tasks(task_dict):
+    for task in lm_eval_tasks(task_dict):
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
-    res = evaluate(lm=lm, task_dict=task_dict, limit=setup["eval_limit"], bootstrap_iters=0)
+    samples = None  # the same seeded, stratified documents the sweep's scorer uses
+    if setup["eval_limit"]:
+        picked = {
+            t.config.task: document_sample(t, setup["eval_limit"], seed=setup["seed"]) for t in lm_eval_tasks(task_dict)
+        }
+        samples = {name: idx for name, idx in picked.items() if idx is not None} or None
+    res = evaluate(lm=lm, task_dict=task_dict, samples=samples, bootstrap_iters=0)
     spec = get_task(setup["task"])
     value = res["results"][spec.lm_eval_task][spec.primary_metric]
     del lm
@@ -382,7 +390,8 @@ def peft_trial(params: dict, setup: dict) -> dict:
         torch.cuda.empty_cache()
     timings["eval_s"] = time.perf_counter() - t3
     timings["total_s"] = time.perf_counter() - t0
-    return {"params": params, "value": value, "final_train_loss": losses[-1], **timings}
+    last = losses[-FINAL_LOSS_STEPS:]  # as the sweep records it
+    return {"params": params, "value": value, "final_train_loss": sum(last) / len(last), **timings}
 
 
 def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler) -> dict:

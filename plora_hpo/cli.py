@@ -46,7 +46,7 @@ def _add_results_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", type=Path, help="the sweep YAML the studies came from")
     p.add_argument("--run-dir", type=Path, default=Path("plora_runs"))
     p.add_argument("--storage", help="Optuna storage URL (default: sqlite:///<run-dir>/optuna.db)")
-    p.add_argument("--top", type=int, default=5, help="rows per task")
+    p.add_argument("--top", default="5", help="rows per task: the N best trials (and the default), or 'all'")
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
@@ -142,8 +142,9 @@ def run_results(args: argparse.Namespace) -> int:
     from plora_hpo.run import default_storage
     from plora_hpo.study import study_name
 
-    if args.top < 1:
-        raise PloraError(f"--top must be at least 1, got {args.top}; pass --top 1 or more")
+    top = None if args.top == "all" else int(args.top) if args.top.isdigit() else 0
+    if top is not None and top < 1:
+        raise PloraError(f"--top must be a number of at least 1 or 'all', got {args.top}; pass --top 5 or --top all")
     config = load_sweep(args.file)
     if args.storage is None and not (args.run_dir / "optuna.db").is_file():
         raise PloraError(
@@ -159,7 +160,7 @@ def run_results(args: argparse.Namespace) -> int:
                 f"cannot load study {study_name(config, task)!r} from {storage} ({type(err).__name__}); "
                 f"run `plora-hpo sweep {args.file}` first or pass the right --storage"
             ) from None
-    print_summary(studies, storage=storage, top=args.top)
+    print_summary(studies, storage=storage, top=top)
     return 0
 
 

@@ -1,17 +1,59 @@
-"""The end-of-sweep table: best trials per task against the reference (default) trial."""
+"""The end-of-sweep table: the best trials per task against the reference (default) trial,
+each score with its standard error, each classifier's answer balance, and whether the best
+config's lead over the default is larger than the noise."""
 
 from __future__ import annotations
+
+import math
 
 import optuna
 from rich.console import Console
 from rich.table import Table
 
-from plora_hpo.study import REFERENCE_PARAMS
+from plora_hpo.evaluation.uncertainty import COLLAPSED_SHARE, collapsed, share_keys, stderr_key
+from plora_hpo.study import FINAL_LOSS_STEPS, REFERENCE_PARAMS
+
+NOISE_MULTIPLE = 2.0
+"""A lead counts as real when it exceeds this many combined standard errors."""
 
 
 def _is_reference(trial: optuna.trial.FrozenTrial) -> bool:
     p = trial.params
     return all(abs(float(p.get(k, -1)) - float(v)) <= 1e-12 for k, v in REFERENCE_PARAMS.items())
+
+
+def trial_stderr(trial: optuna.trial.FrozenTrial, metric_key: str) -> float | None:
+    """The standard error the trial recorded for its objective (None if it has none)."""
+    value = (trial.user_attrs.get("metrics") or {}).get(stderr_key(metric_key))
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def gap_line(best: optuna.trial.FrozenTrial, reference: optuna.trial.FrozenTrial, metric_key: str) -> str:
+    """``best 0.08 ± 0.06 vs default 0.00 ± 0.00: +0.08, within the noise (...)``."""
+
+    def scored(t: optuna.trial.FrozenTrial) -> str:
+        se = trial_stderr(t, metric_key)
+        return f"{t.value:.4f}" + ("" if se is None else f" ± {se:.4f}")
+
+    gap = best.value - reference.value
+    line = f"best {scored(best)} vs default (r16, alpha16, lr2e-4, batch2) {scored(reference)}: {gap:+.4f}"
+    errors = [trial_stderr(best, metric_key), trial_stderr(reference, metric_key)]
+    if best is reference:
+        return line + " (the default is the best)"
+    if any(e is None for e in errors):
+        return line + " (no standard errors recorded: cannot tell it from the noise)"
+    noise = NOISE_MULTIPLE * math.sqrt(sum(e * e for e in errors))
+    verdict = "larger than" if abs(gap) > noise else "within"
+    return line + f", {verdict} the noise ({NOISE_MULTIPLE:g} × combined standard error = {noise:.4f})"
+
+
+def _balance(trial: optuna.trial.FrozenTrial) -> str:
+    metrics = trial.user_attrs.get("metrics") or {}
+    shares = share_keys(metrics)
+    if not shares:
+        return "-"
+    text = " / ".join(f"{choice} {share:.0%}" for choice, share in shares.items())
+    return text + (" COLLAPSED" if collapsed(metrics) else "")
 
 
 def print_summary(
@@ -20,9 +62,10 @@ def print_summary(
     storage: str,
     wall_seconds: float | None = None,
     tracking_uri: str | None = None,
-    top: int = 5,
+    top: int | None = 5,
     console: Console | None = None,
 ) -> None:
+    """Print each study's table (``top`` best trials and the default; None: every trial)."""
     console = console or Console()
     for study in studies.values():
         done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
@@ -30,32 +73,44 @@ def print_summary(
         retried = {t.user_attrs["retry_of"] for t in study.trials if "retry_of" in t.user_attrs}
         failed = sum(t.state == optuna.trial.TrialState.FAIL and t.number not in retried for t in study.trials)
         metric = (study.metric_names or ["value"])[0]
+        metric_key = metric.partition(":")[2] or metric
         extra = "".join(f", {n} {what}" for n, what in ((pruned, "pruned"), (failed, "failed")) if n)
-        table = Table(title=f"{study.study_name}: {len(done)} complete trials{extra}, metric {metric}")
-        for column in ("trial", "rank", "alpha", "lr", "batch", "value", "final loss", "pack"):
+        documents = study.user_attrs.get("eval_documents")
+        title = f"{study.study_name}: {len(done)} complete trials{extra}, metric {metric}"
+        table = Table(title=title + (f" on {documents}" if documents else ""))
+        columns = ("trial", "rank", "alpha", "lr", "batch", "value ± stderr", "answers", "loss (last steps)", "pack")
+        for column in columns:
             table.add_column(column, justify="right")
         ranked = sorted(done, key=lambda t: t.value, reverse=True)
         reference = next((t for t in done if _is_reference(t)), None)
-        rows = ranked[:top] + ([reference] if reference is not None and reference not in ranked[:top] else [])
+        shown = ranked if top is None else ranked[:top]
+        rows = shown + ([reference] if reference is not None and reference not in shown else [])
+        flagged = 0
         for t in rows:
             p = t.params
             loss = t.user_attrs.get("final_train_loss")
+            steps = t.user_attrs.get("final_train_loss_steps")
+            se = trial_stderr(t, metric_key)
+            flagged += collapsed(t.user_attrs.get("metrics") or {})
             table.add_row(
                 f"{t.number}{' (default)' if t is reference else ''}",
                 str(p.get("rank")),
                 f"{p.get('alpha_multiplier', 0) * p.get('rank', 0):g}",
                 f"{p.get('learning_rate', 0):.1e}",
                 str(p.get("batch_size")),
-                f"{t.value:.4f}",
-                "-" if loss is None else f"{loss:.4f}",
+                f"{t.value:.4f}" + ("" if se is None else f" ± {se:.4f}"),
+                _balance(t),
+                "-" if loss is None else f"{loss:.4f}" + (f" ({steps})" if steps else ""),
                 t.user_attrs.get("pack_id", "-"),
             )
         console.print(table)
+        console.print(
+            f"loss: mean training loss over each trial's last {FINAL_LOSS_STEPS} steps (steps in brackets); "
+            f"answers: share of each answer among the predictions"
+            + (f"; COLLAPSED: one answer for {COLLAPSED_SHARE:.0%} or more of the documents" if flagged else "")
+        )
         if ranked and reference is not None:
-            console.print(
-                f"best {ranked[0].value:.4f} vs default (r16, alpha16, lr2e-4, batch2) {reference.value:.4f}: "
-                f"{ranked[0].value - reference.value:+.4f}"
-            )
+            console.print(gap_line(ranked[0], reference, metric_key))
     if wall_seconds is not None:
         console.print(f"wall time {wall_seconds:.0f} s")
     console.print(f"Optuna storage: {storage}  (optuna-dashboard {storage})")

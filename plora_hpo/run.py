@@ -72,6 +72,7 @@ class SweepRun:
         tracker: the sweep's MLflow tracker (parent run open).
         retries: per task, how many trials an earlier process left in flight and will be resumed.
         closed_runs: MLflow runs an earlier process left RUNNING that were closed.
+        eval_documents: per task, which evaluation documents the trials are scored on.
     """
 
     def __init__(
@@ -99,6 +100,7 @@ class SweepRun:
         self.studies: dict[str, optuna.Study] = {}
         self.retries: dict[str, int] = {}
         self.closed_runs: list[str] = []
+        self.eval_documents: dict[str, str] = {}
         self._owner: RunDirOwner | None = None
         self._closed = False
 
@@ -158,6 +160,9 @@ class SweepRun:
         # this process owns the run directory: trials left RUNNING were left by a dead process
         for task, study in self.studies.items():
             self.retries[task] = len(recover_stale_trials(study))
+        self.eval_documents = self.sweep.eval_documents()
+        for task, documents in self.eval_documents.items():
+            self.studies[task].set_user_attr("eval_documents", documents)
         self._continue_tracking(saved)
         return self
 
@@ -166,7 +171,11 @@ class SweepRun:
         assert self.tracker is not None
         config = self.config
         state = saved or RunState.of(config)
-        parent = {**config.model_dump(mode="json", exclude={"space"}), "space": config.space.model_dump()}
+        parent = {
+            **config.model_dump(mode="json", exclude={"space"}),
+            "space": config.space.model_dump(),
+            "eval_documents": self.eval_documents,
+        }
         if state.mlflow_parent_run_id is None or not self.tracker.resume(state.mlflow_parent_run_id):
             state.mlflow_parent_run_id = self.tracker.start(config.name, parent, {"plora.storage": self.storage})
         state.save(self.run_dir)

@@ -25,6 +25,10 @@ from plora_hpo.space import SearchSpace
 from plora_hpo.sweep import PackedSweep
 from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest
 
+FINAL_LOSS_STEPS = 10
+"""The final training loss a trial records is the mean over its last this many steps: one step's
+loss is one batch of a few examples, too noisy to compare configs by."""
+
 REFERENCE_PARAMS = {"rank": 16, "alpha_multiplier": 1.0, "learning_rate": 2e-4, "batch_size": 2}
 """The common default (r 16, alpha 16, lr 2e-4, batch 2): the trial every sweep should beat."""
 
@@ -183,7 +187,9 @@ def record_outcome(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None
     trial.set_user_attr("adapter_dir", str(outcome.adapter_dir))
     trial.set_user_attr("metrics", outcome.metrics)
     trial.set_user_attr("tokens_per_second", outcome.tokens_per_second)
-    trial.set_user_attr("final_train_loss", outcome.losses[-1] if outcome.losses else None)
+    last = outcome.losses[-FINAL_LOSS_STEPS:]
+    trial.set_user_attr("final_train_loss", sum(last) / len(last) if last else None)
+    trial.set_user_attr("final_train_loss_steps", len(last))
     trial.set_user_attr("resumed_from_step", outcome.resumed_from)
     if outcome.pruned:
         trial.set_user_attr("pruned_at_step", outcome.pruned_at)

@@ -181,6 +181,20 @@ class PackedSweep:
     def _clock(self) -> float:
         return time.monotonic() - self._started_at
 
+    def eval_documents(self) -> dict[str, str]:
+        """Per task, which evaluation documents a trial's final score uses: all of them, or the
+        seeded (stratified) sample of ``evaluation.limit`` that every adapter is scored on."""
+        from plora_hpo.evaluation.runner import lm_eval_tasks
+        from plora_hpo.evaluation.sampling import describe
+
+        limit, worker = self.config.evaluation.limit, self.workers[0]
+        out = {}
+        for task in self.config.tasks:
+            picked = (worker.document_sample(task, limit) if limit else None) or {}
+            lm_tasks = lm_eval_tasks(worker.resources.eval_tasks[task])
+            out[task] = "; ".join(describe(t, picked.get(t.config.task), seed=self.config.seed) for t in lm_tasks)
+        return out
+
     def trial_params(self, request: TrialRequest) -> dict[str, Any]:
         cfg = self.config
         return {

@@ -129,6 +129,7 @@ class DeviceWorker:
         self.new_pack_id = pack_id
         self.clock = clock
         self.score: AdapterScorer = scorer or self._lm_eval_scores
+        self._samples: dict[tuple[str, int], dict[str, list[int]] | None] = {}
         self.export: AdapterExporter = exporter or self._peft_export
         self.device = resources.device
         self.name = resources.name
@@ -164,11 +165,27 @@ class DeviceWorker:
             self.base.tokenizer,
             list(adapter_ids),
             self.resources.eval_tasks[task],
-            limit=limit,
+            samples=None if limit is None else self.document_sample(task, limit),
             batch_size=ev.batch_size,
             max_new_tokens=ev.max_new_tokens,
             bootstrap_iters=ev.bootstrap_iters,
         )
+
+    def document_sample(self, task: str, limit: int) -> dict[str, list[int]] | None:
+        """The evaluation documents a ``limit``-document score of ``task`` uses: the same seeded,
+        stratified sample for every adapter of the sweep (None: the limit covers them all)."""
+        key = (task, limit)
+        if key not in self._samples:
+            from plora_hpo.evaluation.runner import lm_eval_tasks
+            from plora_hpo.evaluation.sampling import document_sample
+
+            picked = {}
+            for lm_task in lm_eval_tasks(self.resources.eval_tasks[task]):
+                indices = document_sample(lm_task, limit, seed=self.config.seed)
+                if indices is not None:
+                    picked[lm_task.config.task] = indices
+            self._samples[key] = picked or None
+        return self._samples[key]
 
     def _peft_export(self, packed: PackedLoraModel, adapter_id: str, directory: Path) -> Path:
         return export_peft_adapter(packed, adapter_id, directory, self.base.name)

@@ -20,6 +20,7 @@ from lm_eval.evaluator import evaluate
 
 from plora_hpo.engine.packed_lora import PackedLoraModel
 from plora_hpo.evaluation.lm import MultiAdapterServer, ServerStats
+from plora_hpo.evaluation.uncertainty import document_statistics
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +46,13 @@ class EvaluationReport:
     seconds: float = 0.0
 
 
-def _tasks(task_dict: Mapping[str, Any]) -> Iterator[Task]:
+def lm_eval_tasks(task_dict: Mapping[str, Any]) -> Iterator[Task]:
     """Task objects in either lm-eval task-dict layout (nested dicts or ``{"tasks": ...}``)."""
     for value in task_dict.values():
         if isinstance(value, Task):
             yield value
         elif isinstance(value, Mapping):
-            yield from _tasks(value)
+            yield from lm_eval_tasks(value)
         elif isinstance(value, tuple) and value and isinstance(value[-1], Task):
             yield value[-1]  # (group, task) pairs of older layouts
 
@@ -108,6 +109,7 @@ def evaluate_adapters_report(
     task_dict: Mapping[str, Any],
     *,
     limit: int | float | None = None,
+    samples: Mapping[str, list[int]] | None = None,
     batch_size: int = 32,
     max_new_tokens: int = 256,
     bootstrap_iters: int = 0,
@@ -132,7 +134,7 @@ def evaluate_adapters_report(
     model = packed.model
     was_training = model.training
     model.eval()
-    tasks = list({id(t): t for t in _tasks(task_dict)}.values())
+    tasks = list({id(t): t for t in lm_eval_tasks(task_dict)}.values())
     results: dict[str, dict[str, Any]] = {}
     for task in tasks:  # the few-shot examples simple_evaluate would pick, built once for all adapters
         task.set_fewshot_seed(seed=fewshot_seed)
@@ -143,15 +145,25 @@ def evaluate_adapters_report(
                     lm=server.view(adapter_id),
                     task_dict=task_dict,
                     limit=limit,
+                    samples=dict(samples) if samples else None,
                     bootstrap_iters=bootstrap_iters,
-                    log_samples=log_samples,
+                    log_samples=True,  # per-document results: standard errors and prediction shares
                 )
                 results[adapter_id] = out or {}
     finally:
         model.train(was_training)
-    per_task = {
-        a: {task: _numeric(entry) for task, entry in res.get("results", {}).items()} for a, res in results.items()
-    }
+    by_name = {t.config.task: t for t in tasks}
+    per_task = {}
+    for adapter_id, res in results.items():
+        per_task[adapter_id] = {}
+        for name, entry in res.get("results", {}).items():
+            numeric = _numeric(entry)
+            docs = res.get("samples", {}).get(name, [])
+            for key, value in document_statistics(docs, _choices(by_name.get(name), docs)).items():
+                numeric.setdefault(key, value)  # lm-eval's own bootstrap, when it ran, wins
+            per_task[adapter_id][name] = numeric
+        if not log_samples:
+            res.pop("samples", None)
     metrics = {}
     for adapter_id, tasks_metrics in per_task.items():
         if len(tasks_metrics) == 1:
@@ -163,6 +175,14 @@ def evaluate_adapters_report(
     return EvaluationReport(metrics=metrics, per_task=per_task, results=results, stats=server.stats, seconds=seconds)
 
 
+def _choices(task: Task | None, docs: Sequence[Mapping[str, Any]]) -> list[str] | None:
+    """A multiple-choice task's answers (as its first scored document lists them), else None."""
+    if task is None or task.OUTPUT_TYPE != "multiple_choice" or not docs:
+        return None
+    choices = task.doc_to_choice(docs[0]["doc"])
+    return [str(c).strip() for c in choices] if isinstance(choices, (list, tuple)) else None
+
+
 def evaluate_adapters(
     packed: PackedLoraModel,
     tokenizer: Any,
@@ -170,6 +190,7 @@ def evaluate_adapters(
     task_dict: Mapping[str, Any],
     *,
     limit: int | float | None = None,
+    samples: Mapping[str, list[int]] | None = None,
     batch_size: int = 32,
     max_new_tokens: int = 256,
     bootstrap_iters: int = 0,
@@ -183,6 +204,8 @@ def evaluate_adapters(
         adapter_ids: the adapters to score.
         task_dict: lm-eval tasks, as ``lm_eval.tasks.get_task_dict`` / ``TaskManager`` return them.
         limit: score only the first ``limit`` documents of each task (a float: that fraction).
+        samples: score only these document indices, per task name (instead of ``limit``; see
+            :func:`plora_hpo.evaluation.sampling.document_sample`).
         batch_size: rows per forward across adapters; the most sequences decoding at once.
         max_new_tokens: generation cap for requests that do not set ``max_gen_toks``.
         bootstrap_iters: lm-eval's bootstrap iterations for stderr (0: none, the fast choice).
@@ -191,8 +214,11 @@ def evaluate_adapters(
 
     Returns:
         ``{adapter_id: {metric: value}}`` with metric keys as lm-eval reports them
-        (``"acc,none"``, ``"f1,none"``, ``"mcc,none"``, ``"exact_match,flexible-extract"``);
-        with several tasks the keys are ``"<task>/<metric>"``.
+        (``"acc,none"``, ``"f1,none"``, ``"mcc,none"``, ``"exact_match,flexible-extract"``),
+        each with its standard error (``"mcc_stderr,none"``) and, for multiple-choice tasks, the
+        share of each answer among the predictions (``"pred_share_yes,none"``; see
+        :mod:`plora_hpo.evaluation.uncertainty`); with several tasks the keys are
+        ``"<task>/<metric>"``.
 
     Example:
         >>> scores = evaluate_adapters(packed, tokenizer, ["t0", "t1"], task_dict, limit=50)
@@ -204,6 +230,7 @@ def evaluate_adapters(
         adapter_ids,
         task_dict,
         limit=limit,
+        samples=samples,
         batch_size=batch_size,
         max_new_tokens=max_new_tokens,
         bootstrap_iters=bootstrap_iters,

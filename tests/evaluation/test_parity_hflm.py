@@ -15,7 +15,7 @@ from lm_eval.evaluator import evaluate
 from lm_eval.models.huggingface import HFLM
 
 from plora_hpo.evaluation import evaluate_adapters, evaluate_adapters_report
-from plora_hpo.evaluation.runner import FEWSHOT_SEED, _tasks
+from plora_hpo.evaluation.runner import FEWSHOT_SEED, lm_eval_tasks
 from plora_hpo.tasks import build_eval_tasks
 
 from .conftest import ADAPTERS
@@ -45,7 +45,7 @@ def reference(pack, adapter_id: str, task_dict: dict, limit: int) -> dict:
         device="cpu",
         batch_size=1,
     )
-    for task in _tasks(task_dict):
+    for task in lm_eval_tasks(task_dict):
         task.set_fewshot_seed(seed=FEWSHOT_SEED)
     return evaluate(lm=lm, task_dict=task_dict, limit=limit, bootstrap_iters=0, log_samples=True)
 
@@ -95,7 +95,7 @@ def test_multiple_choice_matches_hflm_with_peft(smol_pack, choice_tasks):
 def test_gsm8k_generation_matches_hflm_with_peft(smol_pack, data_dir):
     limit, max_gen_toks = 3, 12
     task_dict = build_eval_tasks("gsm8k", data_dir=data_dir, num_fewshot=1)  # 1-shot keeps CPU time low
-    for task in _tasks(task_dict):
+    for task in lm_eval_tasks(task_dict):
         task.config.generation_kwargs["max_gen_toks"] = max_gen_toks
     ours = evaluate_adapters_report(
         smol_pack.packed, smol_pack.tokenizer, list(ADAPTERS), task_dict, limit=limit, batch_size=4, log_samples=True
@@ -116,7 +116,7 @@ def test_paging_adapters_through_a_small_budget_changes_nothing(smol_pack, data_
     task_dict = merged(
         build_eval_tasks("mrpc", data_dir=data_dir), build_eval_tasks("gsm8k", data_dir=data_dir, num_fewshot=0)
     )
-    for task in _tasks(task_dict):
+    for task in lm_eval_tasks(task_dict):
         if task.config.output_type == "generate_until":
             task.config.generation_kwargs["max_gen_toks"] = 6
     kwargs = dict(limit=2, batch_size=6, log_samples=True)
@@ -151,8 +151,10 @@ def test_evaluate_adapters_returns_lm_eval_metric_keys(smol_pack, data_dir):
     finally:
         del task.build_all_requests
     assert list(scores) == ["r8", "r4"]
-    assert set(scores["r8"]) == {"mcc,none"}
+    # the metric, its standard error (lm-eval's bootstrap is off) and each answer's share
+    assert set(scores["r8"]) == {"mcc,none", "mcc_stderr,none", "pred_share_no,none", "pred_share_yes,none"}
     assert all(isinstance(v, float) for v in scores["r4"].values())
+    assert scores["r4"]["pred_share_no,none"] + scores["r4"]["pred_share_yes,none"] == 1.0
     assert len(builds) == 1  # lm-eval built the requests once; the second adapter replayed them
 
 

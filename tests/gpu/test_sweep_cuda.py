@@ -70,7 +70,7 @@ def test_bf16_evaluation_matches_hflm_with_peft(tmp_path, model_dir, data_dir):
     from plora_hpo.adapter import AdapterConfig
     from plora_hpo.engine import PackedLoraModel, export_peft_adapter
     from plora_hpo.evaluation import evaluate_adapters_report
-    from plora_hpo.evaluation.runner import FEWSHOT_SEED, _tasks
+    from plora_hpo.evaluation.runner import FEWSHOT_SEED, lm_eval_tasks
     from plora_hpo.models import load_base_model
     from plora_hpo.tasks import build_eval_tasks
 
@@ -96,7 +96,7 @@ def test_bf16_evaluation_matches_hflm_with_peft(tmp_path, model_dir, data_dir):
     for adapter_id in ids:
         lm = HFLM(pretrained=str(model_dir), peft=str(dirs[adapter_id]), dtype="bfloat16", device="cuda", batch_size=1)
         task_dict = build_eval_tasks(TASK, data_dir=data_dir)
-        for task in _tasks(task_dict):
+        for task in lm_eval_tasks(task_dict):
             task.set_fewshot_seed(seed=FEWSHOT_SEED)
         ref = evaluate(lm=lm, task_dict=task_dict, limit=limit, bootstrap_iters=0, log_samples=True)
         got = sorted(ours.results[adapter_id]["samples"][TASK], key=lambda s: s["doc_id"])
