@@ -14,7 +14,7 @@ from plora_hpo.engine.batching import IGNORE_INDEX
 VOCAB = 97
 
 
-def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+def tiny_model(family: str, seed: int = 0, **overrides) -> torch.nn.Module:
     common = dict(
         vocab_size=VOCAB,
         hidden_size=48,
@@ -25,7 +25,7 @@ def tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
         max_position_embeddings=128,
         attn_implementation="sdpa",
     )
-    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family](**common)
+    config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}[family](**{**common, **overrides})
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+from transformers import Qwen2Config
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
@@ -22,6 +22,7 @@ from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.engine.tensor_parallel import check_degree, plan_of, shard_model
 
 from .conftest import random_examples
+from .conftest import tiny_model as engine_tiny_model
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # max_grad_norm well below these adapters' gradient norms: every step clips (checked below)
@@ -45,21 +46,12 @@ CASES = {
 }
 
 
-def tiny_model(seed: int = 0, family: str = "qwen2", **overrides) -> torch.nn.Module:
+def tiny_model(family: str = "qwen2", **overrides) -> torch.nn.Module:
+    """The engine tests' tiny model, with heads and sizes every degree up to 4 divides."""
     dims = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
-        attn_implementation="sdpa",
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_key_value_heads=4, max_position_embeddings=64
     )
-    dims.update(overrides)
-    torch.manual_seed(seed)
-    config = {"qwen2": Qwen2Config, "llama": LlamaConfig}[family](**dims)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return engine_tiny_model(family, **{**dims, **overrides})
 
 
 def train(packed: PackedLoraModel, settings: OptimizerSettings = SETTINGS, **options):
