@@ -21,7 +21,7 @@ import torch
 
 from plora_hpo.kernels._grads_into import grads_into as grads_into_buffers
 from plora_hpo.kernels.layout import SegmentLayout
-from plora_hpo.kernels.torch_lora import adapted_linear_reference, packed_lora_reference
+from plora_hpo.kernels.torch_lora import adapted_linear_reference, add_packed_lora_, packed_lora_reference
 
 
 def _triton_wanted(x: torch.Tensor) -> bool:
@@ -60,7 +60,7 @@ def packed_lora_add(
             return base_out + packed_lora_reference(x, a_cat, b_cat, layout)
 
         return packed_lora_add_triton(base_out, x, a_cat, b_cat, layout)
-    return base_out + packed_lora(x, a_cat, b_cat, layout)
+    return add_packed_lora_(base_out.clone(), x, a_cat, b_cat, layout)
 
 
 def adapted_linear(

@@ -85,6 +85,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         device=args.device,
         resume=args.resume,
         progress=progress,
+        sweep_file=args.file,
     )
     run.open()  # refusals (bad input, a live owner, a changed resume) print one line, no progress bars
     with progress:

@@ -95,7 +95,12 @@ class BudgetSpec(_Strict):
 class EvalSpec(_Strict):
     """How each trained adapter is scored (lm-eval task settings)."""
 
-    limit: int | None = Field(None, gt=0, description="Score only the first N evaluation documents.")
+    limit: int | None = Field(
+        None,
+        gt=0,
+        description="Score every adapter on the same N evaluation documents: a random sample drawn with the "
+        "sweep's seed, stratified by answer for multiple-choice tasks (not the first N rows).",
+    )
     batch_size: int = Field(32, gt=0, description="Rows per forward pass (shared across adapters).")
     num_fewshot: int | None = Field(None, ge=0, description="Override the task's few-shot count.")
     max_new_tokens: int = Field(256, gt=0, description="Generation cap for generate_until tasks.")

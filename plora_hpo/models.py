@@ -54,8 +54,7 @@ class LoadedModel:
     Attributes:
         model: transformers causal LM in eval mode with every parameter frozen.
         tokenizer: its tokenizer (pad token set, right padding), or None for random-init models.
-        name: canonical spec; ``load_base_model(name)`` loads the same model again. Also the
-            ``base_model_name_or_path`` that PEFT records in exported adapters.
+        name: canonical spec; ``load_base_model(name)`` loads the same model again.
         shape: decoder dimensions, for the cost model and the engine.
         source: where the weights came from.
     """
@@ -65,6 +64,17 @@ class LoadedModel:
     name: str
     shape: ModelShape
     source: Source
+
+    @property
+    def pretrained_path(self) -> str:
+        """What ``from_pretrained`` loads this model from: the hub id, the local folder as an
+        absolute path, or the embedded model's converted folder. Exported adapters record it as
+        PEFT's ``base_model_name_or_path``, so ``AutoPeftModelForCausalLM`` loads them alone."""
+        if self.source == "embedded":
+            return str(embedded_cache_dir())
+        if self.source == "local":
+            return str(Path(self.name).resolve())
+        return self.name
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:

@@ -24,9 +24,12 @@ Example:
 
 from __future__ import annotations
 
+import json
 import shutil
+from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
+from typing import Any
 
 import optuna
 
@@ -48,6 +51,17 @@ from plora_hpo.tracking import SweepTracker, default_tracking_uri
 from plora_hpo.trials import PackProgress
 
 
+def flatten(params: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"budget": {"steps": 30}}`` → ``{"budget.steps": 30}`` (one MLflow param per setting)."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, Mapping):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
 def default_storage(run_dir: Path) -> str:
     """The Optuna storage of a run directory when none is given: ``sqlite:///<run_dir>/optuna.db``."""
     return f"sqlite:///{(run_dir / 'optuna.db').resolve()}"
@@ -65,6 +79,7 @@ class SweepRun:
         device: ``cpu``, ``cuda``, ``cuda:N`` or a list (default: every GPU, else the CPU).
         resume: require an earlier run in ``run_dir`` (a plain open resumes one too, if present).
         progress: front-end hooks (the CLI's progress bars).
+        sweep_file: the file ``config`` came from, recorded with the studies and the MLflow run.
 
     Attributes (after :meth:`open`):
         sweep: the packed sweep (workers, trial pool) the studies' trials train on.
@@ -86,8 +101,10 @@ class SweepRun:
         device: str | None = None,
         resume: bool = False,
         progress: PackProgress | None = None,
+        sweep_file: str | PathLike[str] | None = None,
     ) -> None:
         self.config = config
+        self.sweep_file = None if sweep_file is None else str(Path(sweep_file).resolve())
         self.run_dir = Path(run_dir)
         self.storage = storage or default_storage(self.run_dir)
         self.mlflow_uri = mlflow_uri
@@ -171,14 +188,22 @@ class SweepRun:
         assert self.tracker is not None
         config = self.config
         state = saved or RunState.of(config)
-        parent = {
-            **config.model_dump(mode="json", exclude={"space"}),
-            "space": config.space.model_dump(),
-            "eval_documents": self.eval_documents,
-        }
+        parent = flatten(
+            {
+                **config.model_dump(mode="json", exclude={"space"}),
+                "space": config.space.model_dump(),
+                "eval_documents": self.eval_documents,
+                "sweep_file": self.sweep_file,
+            }
+        )
         if state.mlflow_parent_run_id is None or not self.tracker.resume(state.mlflow_parent_run_id):
             state.mlflow_parent_run_id = self.tracker.start(config.name, parent, {"plora.storage": self.storage})
         state.save(self.run_dir)
+        for study in self.studies.values():  # from the study (optuna-dashboard) to its MLflow runs and file
+            study.set_user_attr("mlflow_parent_run_id", self.tracker.resolve(state.mlflow_parent_run_id))
+            study.set_user_attr("mlflow_tracking_uri", self.tracker.tracking_uri)
+            if self.sweep_file is not None:
+                study.set_user_attr("sweep_file", self.sweep_file)
         continued = {
             t.user_attrs["mlflow_run_id"]
             for study in self.studies.values()
@@ -214,10 +239,45 @@ class SweepRun:
         try:
             if self.sweep is not None:
                 self.sweep.close()
+            if not failed and self.tracker is not None:
+                self._record_summary()
         finally:
             if self.tracker is not None:
                 self.tracker.finish("FAILED" if failed else "FINISHED")
             self._release()
+
+    def _record_summary(self) -> None:
+        """The sweep's outcome on the MLflow parent run: each task's best value (metric
+        ``best/<task>``), the best trial's adapter (tag) and every finished trial (``summary/``)."""
+        assert self.tracker is not None
+        parent = self.tracker.parent_run_id
+        if parent is None:
+            return
+        rows, tags, table = [], {}, {}
+        for task, study in self.studies.items():
+            done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+            table[task] = [
+                {
+                    "trial": t.number,
+                    "params": t.params,
+                    "value": t.value,
+                    "metrics": t.user_attrs.get("metrics"),
+                    "final_train_loss": t.user_attrs.get("final_train_loss"),
+                    "adapter_dir": t.user_attrs.get("adapter_dir"),
+                    "mlflow_run_id": t.user_attrs.get("mlflow_run_id"),
+                }
+                for t in sorted(done, key=lambda t: t.value, reverse=True)
+            ]
+            if done:
+                best = max(done, key=lambda t: t.value)
+                rows.append((f"best/{task}", best.value, 0))
+                tags[f"plora.best.{task}"] = str(best.user_attrs.get("adapter_dir"))
+        folder = self.run_dir / "summary"
+        folder.mkdir(exist_ok=True)
+        (folder / "trials.json").write_text(json.dumps(table, indent=1, default=str) + "\n")
+        self.tracker.log_metrics(parent, rows)
+        self.tracker.set_tags(parent, tags)
+        self.tracker.log_folder(parent, folder, "summary")
 
     def _release(self) -> None:
         if self._owner is not None:

@@ -12,8 +12,10 @@ packed, tell each result).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import optuna
@@ -184,7 +186,7 @@ def record_outcome(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None
     """What a trial keeps in the Optuna storage besides its value (links to MLflow and the adapter)."""
     trial.set_user_attr("mlflow_run_id", outcome.run_id)
     trial.set_user_attr("pack_id", outcome.pack_id)
-    trial.set_user_attr("adapter_dir", str(outcome.adapter_dir))
+    trial.set_user_attr("adapter_dir", str(Path(outcome.adapter_dir).resolve()) if outcome.adapter_dir else None)
     trial.set_user_attr("metrics", outcome.metrics)
     trial.set_user_attr("tokens_per_second", outcome.tokens_per_second)
     last = outcome.losses[-FINAL_LOSS_STEPS:]
@@ -249,8 +251,17 @@ class PackedObjective:
         self.task = task
         self.space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
         self.pruning = config.pruning.pruner != "none"
+        self._warned = False
 
     def __call__(self, trial: optuna.Trial) -> float:
+        if not self._warned and self.sweep.concurrency > 1 and threading.current_thread() is threading.main_thread():
+            self._warned = True  # study.optimize runs n_jobs=1 in the caller's thread, more in a pool
+            warnings.warn(
+                "study.optimize(..., n_jobs=1) hands the sweep one trial at a time, so every pack trains "
+                f"one adapter; pass n_jobs=sweep.concurrency ({self.sweep.concurrency}) to train them together",
+                UserWarning,
+                stacklevel=2,
+            )
         config = self.space.suggest(trial)
         try:
             outcome = self.sweep.submit(trial_request(trial, self.task, config, self.pruning)).wait()

@@ -22,6 +22,7 @@ import torch
 from plora_hpo.admission import make_admission
 from plora_hpo.checkpoints import CheckpointStore
 from plora_hpo.config import SweepConfig
+from plora_hpo.cpu_threads import use_available_cores
 from plora_hpo.errors import ConfigError
 from plora_hpo.reporting import MlflowReporter, NullReporter, PackSegment
 from plora_hpo.resources import DeviceResources, TaskData, device_spec, total_steps
@@ -83,6 +84,8 @@ class PackedSweep:
         self.data_dir = data_dir
         self.progress = progress or PackProgress()
         self.devices = resolve_devices(device)
+        if any(d.type == "cpu" for d in self.devices):
+            use_available_cores()
         self.base = self._load_base(self.devices[0])
         first_eval: dict[str, Any] = {}
         self.tasks = {task: self._load_task(task, first_eval) for task in config.tasks}

@@ -59,8 +59,9 @@ class TrialRequest:
 
     @property
     def adapter_id(self) -> str:
-        """The adapter's name (folder, MLflow run, pack member): a retry keeps its lineage's."""
-        return f"{self.task}-t{self.lineage}"
+        """The adapter's name (folder, MLflow run, pack member), e.g. ``mrpc-t3-r16-a16-lr2e-04-b2``:
+        the task, the trial lineage (a retry keeps its predecessor's) and the config."""
+        return f"{self.task}-t{self.lineage}-{self.config.label()}"
 
 
 @dataclass

@@ -188,7 +188,7 @@ class DeviceWorker:
         return self._samples[key]
 
     def _peft_export(self, packed: PackedLoraModel, adapter_id: str, directory: Path) -> Path:
-        return export_peft_adapter(packed, adapter_id, directory, self.base.name)
+        return export_peft_adapter(packed, adapter_id, directory, self.base.pretrained_path)
 
     def start(self) -> None:
         self._thread.start()

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 from mlflow.tracking import MlflowClient
-from peft import PeftModel
+from peft import AutoPeftModelForCausalLM, PeftModel
 from safetensors.torch import load_file
 
 from plora_hpo.adapter import AdapterConfig
@@ -78,7 +78,7 @@ def test_every_trial_completes_in_one_pack(finished_sweep):
 
 
 def test_mlflow_has_a_child_run_per_trial(finished_sweep):
-    _, run_dir, study = finished_sweep
+    sweep_file, run_dir, study = finished_sweep
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     experiment = client.get_experiment_by_name("e2e")
     runs = client.search_runs([experiment.experiment_id])
@@ -102,6 +102,15 @@ def test_mlflow_has_a_child_run_per_trial(finished_sweep):
         assert run.data.metrics["pack_tokens_per_second"] > 0
         files = {a.path for a in client.list_artifacts(run.info.run_id, "adapter")}
         assert files == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
+        label = f"r{trial.params['rank']}-a{trial.params['rank'] * trial.params['alpha_multiplier']:g}"
+        assert run.info.run_name == f"synthetic-t{trial.number}-{label}-lr{trial.params['learning_rate']:.0e}-b2"
+    # the study links its MLflow parent run and sweep file; the parent holds flat params and the outcome
+    parent = parents[0]
+    assert study.user_attrs["mlflow_parent_run_id"] == parent.info.run_id
+    assert study.user_attrs["sweep_file"] == str(sweep_file.resolve())
+    assert parent.data.params["budget.steps"] == "3" and parent.data.params["space.rank.choices"] == "[8, 16]"
+    assert parent.data.metrics["best/synthetic"] == pytest.approx(max(t.value for t in study.trials))
+    assert {a.path for a in client.list_artifacts(parent.info.run_id, "summary")} == {"summary/trials.json"}
 
 
 def test_exported_adapter_loads_in_peft_and_reproduces_engine_logits(finished_sweep):
@@ -127,6 +136,11 @@ def test_exported_adapter_loads_in_peft_and_reproduces_engine_logits(finished_sw
     with torch.no_grad():
         peft_logits = peft_model(input_ids=ids).logits
     assert torch.allclose(engine_logits, peft_logits, rtol=1e-4, atol=1e-4)
+    # self-contained: the adapter names a base model that loads, so PEFT's auto class needs nothing else
+    assert adapter_dir.is_absolute()
+    alone = AutoPeftModelForCausalLM.from_pretrained(adapter_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.allclose(alone(input_ids=ids).logits, peft_logits, rtol=1e-4, atol=1e-4)
     with torch.no_grad(), peft_model.disable_adapter():
         plain = peft_model(input_ids=ids).logits
     assert not torch.allclose(plain, peft_logits, atol=1e-4)  # the adapter changes the model

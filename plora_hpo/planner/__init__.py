@@ -1,7 +1,7 @@
 """PLoRA's packing planner: which configs train together, on which GPUs, and when.
 
-Importable without torch; needs numpy (and highspy or gurobipy to solve ILPs; the cost model and
-calibration need numpy alone).
+Importable without torch; needs numpy (and highspy or gurobipy to solve ILPs; the cost model
+needs numpy alone, fitting calibration factors also scipy).
 
 - :func:`plan_packs` — configs → a whole predicted :class:`Schedule` (what ``plora-hpo plan`` prints).
 - :class:`JobPlanner` — the same planner online: ``next_packs`` / ``finished`` / ``add_configs``.

@@ -184,7 +184,7 @@ def run_plan(args: argparse.Namespace) -> int:
     gantt = None
     if not args.no_gantt:
         gantt = Path(args.gantt or f"plan-{Path(args.file).stem}.png")
-        write_gantt(schedule, gantt, title=description)
+        write_gantt(schedule, gantt, title=description, configs=configs)
     if args.json:
         payload = schedule.to_dict()
         payload["config_labels"] = [c.label() for c in configs]

@@ -11,6 +11,7 @@ from plora_hpo.errors import PloraError
 from plora_hpo.planner.calibration import Calibration
 from plora_hpo.planner.cost_model import CostModel, GpuSpec, Workload
 from plora_hpo.planner.observations import (
+    _BOUNDS,
     Observation,
     calibration_path,
     fit_calibration,
@@ -55,6 +56,48 @@ def test_fit_recovers_known_factors():
     for name, value in TRUTH.factors().items():
         assert getattr(fitted, name) == pytest.approx(value, rel=0.02), name
     assert fitted.observations == 27
+
+
+def test_fit_recovers_factors_that_all_differ_from_the_prior():
+    """Every factor off 1.0, some above and some below, the optimizer's included."""
+    truth = Calibration(
+        launch=0.8,
+        fixed=1.5,
+        base=0.6,
+        lora=1.8,
+        optimizer=1.4,
+        memory_fixed=0.95,
+        memory_activations=0.7,
+        memory_adapters=1.6,
+    )
+    fitted = fit_calibration(synthetic_observations(truth), SHAPE, GPU)
+    for name, value in truth.factors().items():
+        assert getattr(fitted, name) == pytest.approx(value, rel=0.02), name
+
+
+FACTORS = tuple(Calibration().factors())
+LOW, HIGH = _BOUNDS
+
+
+@pytest.mark.parametrize(
+    ("truth", "pinned"),
+    [
+        (Calibration(**dict.fromkeys(FACTORS, 0.01)), dict.fromkeys(FACTORS, LOW)),
+        (Calibration(**dict.fromkeys(FACTORS, 50.0)), dict.fromkeys(FACTORS, HIGH)),
+        (
+            Calibration(launch=40.0, base=0.01, memory_activations=0.01, memory_adapters=30.0),
+            {"launch": HIGH, "memory_adapters": HIGH},
+        ),
+    ],
+    ids=["all-below", "all-above", "mixed"],
+)
+def test_fit_stays_within_the_bounds(truth, pinned):
+    """Packs measured far outside what the factors may express: the factors stop at the bounds."""
+    fitted = fit_calibration(synthetic_observations(truth), SHAPE, GPU)
+    for name, value in fitted.factors().items():
+        assert LOW <= value <= HIGH, name
+    for name, bound in pinned.items():
+        assert getattr(fitted, name) == pytest.approx(bound), name
 
 
 def test_fit_of_the_prior_is_the_identity():
