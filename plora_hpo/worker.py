@@ -521,6 +521,8 @@ class _Pack:
             with phase("train"):
                 reports = self.trainer.step()
         except torch.OutOfMemoryError:
+            reports = None  # handled below: the error's traceback keeps the failed step's tensors alive
+        if reports is None:
             abort_step(self.trainer, positions)
             self._split_after_oom()
             return

@@ -505,12 +505,19 @@ class PackedLoraModel:
         self._storage = _FlatStorage(ids, tuple(offsets), master, grad, slots.to(like.device))
 
     def release_storage(self) -> None:
-        """Give every stored adapter its own storage again (values kept, gradients dropped)."""
+        """Give every stored adapter its own storage again (values kept, gradients dropped).
+
+        Each adapter's rows are copied out of the storage before it is freed, so for a moment
+        the device holds both. When it has no room for that (a pack that just ran out of memory),
+        the rest are copied to host memory instead and come back once the storage is gone.
+        """
         storage, self._storage = self._storage, None
         if storage is None:
             return
         for layer in self.layers.values():
             layer._slot = None
+        on_host: list[str] = []
+        old: list[torch.Tensor] = []
         with torch.no_grad():
             for adapter_id, r0, r1 in zip(storage.ids, storage.row_offsets, storage.row_offsets[1:]):
                 flats = self._flat.get(adapter_id)
@@ -520,9 +527,23 @@ class PackedLoraModel:
                 for flat, rows in zip(flats, old):
                     flat.grad = None
                     if flat.data_ptr() == rows.data_ptr():
-                        flat.data = flat.data.clone()
+                        if not on_host or on_host[-1] != adapter_id:
+                            try:
+                                flat.data = flat.data.clone()
+                                continue
+                            except torch.OutOfMemoryError:
+                                on_host.append(adapter_id)
+                        flat.data = flat.data.to("cpu", copy=True)
                 # parameters re-pointed from outside keep their own values (gathered on next use)
                 self._point_missing(adapter_id, old, [f.data for f in flats])
+            device = storage.master[0].device
+            del storage, old  # nothing views the storage any more: its memory is free
+            for adapter_id in on_host:
+                flats = self._flat[adapter_id]
+                host = [f.data for f in flats]
+                for flat in flats:
+                    flat.data = flat.data.to(device)
+                self._point_missing(adapter_id, host, [f.data for f in flats])
 
     def _point_missing(self, adapter_id: str, old: Sequence[torch.Tensor], new: Sequence[torch.Tensor]) -> None:
         """Re-point only the per-layer parameters that still alias ``old`` to the same views of ``new``."""

@@ -381,3 +381,34 @@ def test_prefetched_batches_follow_membership_changes():
     for a, tensors in want_weights.items():
         for key, tensor in tensors.items():
             assert torch.equal(weights[a][key], tensor), (a, key)
+
+
+def test_releasing_the_storage_without_room_for_a_copy_goes_through_host_memory(monkeypatch):
+    """After an out-of-memory step the device may have no room to copy adapters out of the flat
+    storage before it is freed: those copies go to host memory and come back, values intact."""
+    packed = PackedLoraModel(tiny_model("llama"), TARGETS)
+    for i in range(3):
+        packed.add_adapter(f"a{i}", CONFIGS[i])
+    with torch.no_grad():  # B starts at zero: give it values a lost copy would show
+        for layer in packed.layers.values():
+            for i in range(3):
+                layer.lora_B[f"a{i}"].normal_(std=0.02)
+    packed.build_storage(["a0", "a1", "a2"])
+    want = {a: {k: v.clone() for k, v in packed.state_dict_of(a).items()} for a in ("a0", "a1", "a2")}
+    clone, calls = torch.Tensor.clone, []
+
+    def clone_until_full(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:  # the device fills up after the first copy
+            raise torch.OutOfMemoryError("no room")
+        return clone(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone_until_full)
+    packed.release_storage()
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    assert len(calls) > 1 and packed.flat_storage is None
+    for adapter_id, tensors in want.items():
+        got = packed.state_dict_of(adapter_id)
+        assert all(torch.equal(got[k], v) for k, v in tensors.items()), adapter_id
+    packed.build_storage(["a1", "a2"])  # and the adapters pack again
+    assert all(torch.equal(packed.state_dict_of("a2")[k], v) for k, v in want["a2"].items())
