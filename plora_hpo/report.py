@@ -17,7 +17,8 @@ NOISE_MULTIPLE = 2.0
 """A lead counts as real when it exceeds this many combined standard errors."""
 
 
-def _is_reference(trial: optuna.trial.FrozenTrial) -> bool:
+def is_reference(trial: optuna.trial.FrozenTrial) -> bool:
+    """Whether the trial trained the common default config (r 16, alpha 16, lr 2e-4, batch 2)."""
     p = trial.params
     return all(abs(float(p.get(k, -1)) - float(v)) <= 1e-12 for k, v in REFERENCE_PARAMS.items())
 
@@ -82,7 +83,7 @@ def print_summary(
         for column in columns:
             table.add_column(column, justify="right")
         ranked = sorted(done, key=lambda t: t.value, reverse=True)
-        reference = next((t for t in done if _is_reference(t)), None)
+        reference = next((t for t in done if is_reference(t)), None)
         shown = ranked if top is None else ranked[:top]
         rows = shown + ([reference] if reference is not None and reference not in shown else [])
         flagged = 0

@@ -76,6 +76,10 @@ class TrialReporter(Protocol):
         """Curve, intermediate scores, final metrics and the adapter artifact; the run ends FINISHED."""
         ...
 
+    def trial_progress(self, record: TrialRecord) -> None:
+        """The trial's curve so far, while it trains (steps already reported are not repeated)."""
+        ...
+
     def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None: ...
 
     def trial_failed(self, record: TrialRecord, pack_id: str, reason: str) -> None: ...
@@ -112,6 +116,9 @@ class NullReporter(_SegmentLog):
     ) -> None:
         pass
 
+    def trial_progress(self, record: TrialRecord) -> None:
+        pass
+
     def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None:
         pass
 
@@ -134,7 +141,7 @@ class MlflowReporter(_SegmentLog):
         super().__init__()
         self.tracker = tracker
         self.trial_params = trial_params
-        self._logged: dict[str, dict[str, int]] = {}  # continued runs: last step already logged per metric
+        self._logged: dict[str, dict[str, int]] = {}  # per run: the last step already logged per metric
 
     def trial_started(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
         tags = {"plora.pack_id": pack_id, "plora.trial_number": str(request.number), "plora.task": request.task}
@@ -147,11 +154,19 @@ class MlflowReporter(_SegmentLog):
             return run_id
         return self.tracker.start_trial(request.adapter_id, self.trial_params(request), tags)
 
-    def _log(self, run_id: str, rows: list[tuple[str, float, int]]) -> None:
-        """Log the rows a continued run does not hold yet (a retry retrains logged steps)."""
+    def _log(self, run_id: str, rows: list[tuple[str, float, int]], *, done: bool = True) -> None:
+        """Log the rows the run does not hold yet: those reported live, or a crashed predecessor's
+        (a retry retrains logged steps). ``done``: the run's last report, forget what it holds."""
         with self._lock:
-            logged = self._logged.pop(run_id, {})
-        self.tracker.log_metrics(run_id, [r for r in rows if r[0] not in logged or r[2] > logged[r[0]]])
+            logged = self._logged.pop(run_id, {}) if done else self._logged.setdefault(run_id, {})
+            new = [r for r in rows if r[0] not in logged or r[2] > logged[r[0]]]
+            if not done:
+                for key, _, step in new:
+                    logged[key] = max(step, logged.get(key, step))
+        self.tracker.log_metrics(run_id, new)
+
+    def trial_progress(self, record: TrialRecord) -> None:
+        self._log(record.run_id, curve_rows(record.curve), done=False)
 
     def trial_completed(
         self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats

@@ -174,13 +174,17 @@ class SweepRun:
             if not existed:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
-        # this process owns the run directory: trials left RUNNING were left by a dead process
-        for task, study in self.studies.items():
-            self.retries[task] = len(recover_stale_trials(study))
-        self.eval_documents = self.sweep.eval_documents()
-        for task, documents in self.eval_documents.items():
-            self.studies[task].set_user_attr("eval_documents", documents)
-        self._continue_tracking(saved)
+        try:
+            # this process owns the run directory: trials left RUNNING were left by a dead process
+            for task, study in self.studies.items():
+                self.retries[task] = len(recover_stale_trials(study))
+            self.eval_documents = self.sweep.eval_documents()
+            for task, documents in self.eval_documents.items():
+                self.studies[task].set_user_attr("eval_documents", documents)
+            self._continue_tracking(saved)
+        except BaseException:
+            self.close(failed=True)
+            raise
         return self
 
     def _continue_tracking(self, saved: RunState | None) -> None:

@@ -60,8 +60,9 @@ class TrialRequest:
     @property
     def adapter_id(self) -> str:
         """The adapter's name (folder, MLflow run, pack member), e.g. ``mrpc-t3-r16-a16-lr2e-04-b2``:
-        the task, the trial lineage (a retry keeps its predecessor's) and the config."""
-        return f"{self.task}-t{self.lineage}-{self.config.label()}"
+        the task, the trial lineage (a retry keeps its predecessor's) and the config, with a
+        decimal point written ``p`` (``a25p6``): module names cannot hold dots."""
+        return f"{self.task}-t{self.lineage}-{self.config.label()}".replace(".", "p")
 
 
 @dataclass

@@ -50,6 +50,9 @@ if TYPE_CHECKING:
     from plora_hpo.trials import TrialRequest, TrialTicket
 
 log = logging.getLogger(__name__)
+
+LIVE_LOG_SECONDS = 10.0
+"""How often the loss curves of the trials in a pack are reported while they train."""
 LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device memory
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
 
@@ -296,6 +299,7 @@ class _Pack:
         self._planned_for: tuple[int, int] | None = None  # (pool version, composition) last planned for
         self._segment: PackSegment | None = None
         self._joined: list[str] = []
+        self._reported_at = time.monotonic()
 
     @property
     def pack_id(self) -> str:
@@ -535,6 +539,7 @@ class _Pack:
                 slot.curve.append((report.step, report.loss, report.lr))
         with phase("calibrate"):
             self._maybe_calibrate()
+        self._report_progress()
         self._checkpoint(list(self.trainer.jobs))
         self._prune([a for a in self.trainer.jobs if not self.trainer.is_done(a)], reports)
         self._collect_done()
@@ -545,6 +550,17 @@ class _Pack:
             for adapter_id in done:
                 self.trainer.remove_job(adapter_id)
             self._evaluate_finished(done)
+
+    def _report_progress(self) -> None:
+        """Every ``LIVE_LOG_SECONDS``, the loss curves so far go to the reporter (MLflow is a live
+        monitor, not only a record of finished trials)."""
+        now = time.monotonic()
+        if now - self._reported_at < LIVE_LOG_SECONDS:
+            return
+        self._reported_at = now
+        with phase("mlflow"):
+            for adapter_id in self.trainer.jobs:
+                self.reporter.trial_progress(self.slots[adapter_id])
 
     # --- checkpoints, pruning, evaluation -------------------------------------------------------
     def _checkpoint(self, adapter_ids: list[str]) -> None:

@@ -108,7 +108,7 @@ def test_mlflow_has_a_child_run_per_trial(finished_sweep):
     parent = parents[0]
     assert study.user_attrs["mlflow_parent_run_id"] == parent.info.run_id
     assert study.user_attrs["sweep_file"] == str(sweep_file.resolve())
-    assert parent.data.params["budget.steps"] == "3" and parent.data.params["space.rank.choices"] == "[8, 16]"
+    assert parent.data.params["budget.steps"] == "3" and parent.data.params["space.rank.choices"] == "[8.0, 16.0]"
     assert parent.data.metrics["best/synthetic"] == pytest.approx(max(t.value for t in study.trials))
     assert {a.path for a in client.list_artifacts(parent.info.run_id, "summary")} == {"summary/trials.json"}
 
