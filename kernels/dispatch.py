@@ -57,7 +57,7 @@ def packed_lora_add(
         try:
             from plora_hpo.kernels.triton_lora import packed_lora_add_triton
         except ImportError:  # Triton kernels not built yet or triton missing
-            return base_out + packed_lora_reference(x, a_cat, b_cat, layout)
+            return add_packed_lora_(base_out.clone(), x, a_cat, b_cat, layout)
 
         return packed_lora_add_triton(base_out, x, a_cat, b_cat, layout)
     return add_packed_lora_(base_out.clone(), x, a_cat, b_cat, layout)

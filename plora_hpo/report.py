@@ -23,6 +23,12 @@ def is_reference(trial: optuna.trial.FrozenTrial) -> bool:
     return all(abs(float(p.get(k, -1)) - float(v)) <= 1e-12 for k, v in REFERENCE_PARAMS.items())
 
 
+def objective_key(study: optuna.Study) -> str:
+    """The lm-eval key of the study's objective (``"mcc,none"`` of ``"cola:mcc,none"``)."""
+    metric = (study.metric_names or ["value"])[0]
+    return metric.partition(":")[2] or metric
+
+
 def trial_stderr(trial: optuna.trial.FrozenTrial, metric_key: str) -> float | None:
     """The standard error the trial recorded for its objective (None if it has none)."""
     value = (trial.user_attrs.get("metrics") or {}).get(stderr_key(metric_key))
@@ -48,7 +54,8 @@ def gap_line(best: optuna.trial.FrozenTrial, reference: optuna.trial.FrozenTrial
     return line + f", {verdict} the noise ({NOISE_MULTIPLE:g} × combined standard error = {noise:.4f})"
 
 
-def _balance(trial: optuna.trial.FrozenTrial) -> str:
+def answer_balance(trial: optuna.trial.FrozenTrial) -> str:
+    """``"no 30% / yes 70%"`` (``COLLAPSED`` appended for a one-answer classifier); ``-`` if none."""
     metrics = trial.user_attrs.get("metrics") or {}
     shares = share_keys(metrics)
     if not shares:
@@ -74,7 +81,7 @@ def print_summary(
         retried = {t.user_attrs["retry_of"] for t in study.trials if "retry_of" in t.user_attrs}
         failed = sum(t.state == optuna.trial.TrialState.FAIL and t.number not in retried for t in study.trials)
         metric = (study.metric_names or ["value"])[0]
-        metric_key = metric.partition(":")[2] or metric
+        metric_key = objective_key(study)
         extra = "".join(f", {n} {what}" for n, what in ((pruned, "pruned"), (failed, "failed")) if n)
         documents = study.user_attrs.get("eval_documents")
         title = f"{study.study_name}: {len(done)} complete trials{extra}, metric {metric}"
@@ -100,7 +107,7 @@ def print_summary(
                 f"{p.get('learning_rate', 0):.1e}",
                 str(p.get("batch_size")),
                 f"{t.value:.4f}" + ("" if se is None else f" ± {se:.4f}"),
-                _balance(t),
+                answer_balance(t),
                 "-" if loss is None else f"{loss:.4f}" + (f" ({steps})" if steps else ""),
                 t.user_attrs.get("pack_id", "-"),
             )

@@ -106,6 +106,7 @@ class SweepRun:
         self.config = config
         self.sweep_file = None if sweep_file is None else str(Path(sweep_file).resolve())
         self.run_dir = Path(run_dir)
+        self._storage_given = storage  # checked by preflight; the default lives in run_dir
         self.storage = storage or default_storage(self.run_dir)
         self.mlflow_uri = mlflow_uri
         self.data_dir = data_dir
@@ -137,7 +138,7 @@ class SweepRun:
             data_dir=self.data_dir,
             device=self.device,
             mlflow_uri=self.mlflow_uri,
-            storage=self.storage if self.storage != default_storage(run_dir) else None,
+            storage=self._storage_given,
         )
         saved = check_resumable(run_dir, config, resume=self.resume)
         for task in config.tasks:

@@ -26,6 +26,21 @@ if not torch.cuda.is_available():  # before anything imports triton: kernels run
 REPO = Path(__file__).resolve().parents[1]
 
 
+class FakeClock:
+    """A clock a test moves by hand (``clock.now += seconds``)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
 def test_data_dir() -> Path | None:
     """The real GSM8K/GLUE copies: $PLORA_HPO_TEST_DATA, else ../shared/data beside the repo."""
     path = Path(os.environ.get("PLORA_HPO_TEST_DATA", REPO.parent / "shared" / "data")).resolve()

@@ -3,16 +3,7 @@
 from plora_hpo.checkpoints import CheckpointPacer
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_first_save_is_the_measurement_then_saves_wait_for_their_share():
-    clock = _Clock()
+def test_first_save_is_the_measurement_then_saves_wait_for_their_share(clock):
     pacer = CheckpointPacer(0.1, clock=clock)
     assert pacer.affordable(1_000_000)  # nothing measured yet
     clock.now += 10
@@ -27,8 +18,7 @@ def test_first_save_is_the_measurement_then_saves_wait_for_their_share():
     assert pacer.affordable(250_000)
 
 
-def test_cheap_saves_are_always_affordable():
-    clock = _Clock()
+def test_cheap_saves_are_always_affordable(clock):
     pacer = CheckpointPacer(0.1, clock=clock)
     for _ in range(20):
         clock.now += 5.0

@@ -9,16 +9,8 @@ from rich.console import Console
 from plora_hpo.progress import RichPackProgress
 
 
-class _Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def test_without_a_terminal_a_line_every_period_with_trials_steps_and_eta():
-    out, clock = io.StringIO(), _Clock()
+def test_without_a_terminal_a_line_every_period_with_trials_steps_and_eta(clock):
+    out = io.StringIO()
     progress = RichPackProgress(Console(file=out, force_terminal=False, width=200), period=60, clock=clock)
     with progress:
         progress.add_trials(8)
@@ -34,8 +26,8 @@ def test_without_a_terminal_a_line_every_period_with_trials_steps_and_eta():
     assert lines[-1].endswith("ETA 0:06:00")  # 2 of 8 trials' worth done in 2 minutes
 
 
-def test_on_a_terminal_no_lines_are_printed_between_trials():
-    out, clock = io.StringIO(), _Clock()
+def test_on_a_terminal_no_lines_are_printed_between_trials(clock):
+    out = io.StringIO()
     progress = RichPackProgress(Console(file=out, force_terminal=True, width=200), period=60, clock=clock)
     progress.add_trials(1)
     progress.pack_started("pack-0", 1, 10)

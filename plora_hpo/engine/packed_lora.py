@@ -526,14 +526,14 @@ class PackedLoraModel:
                 old = [m[r0:r1] for m in storage.master]
                 for flat, rows in zip(flats, old):
                     flat.grad = None
-                    if flat.data_ptr() == rows.data_ptr():
-                        if not on_host or on_host[-1] != adapter_id:
-                            try:
-                                flat.data = flat.data.clone()
-                                continue
-                            except torch.OutOfMemoryError:
-                                on_host.append(adapter_id)
+                    if flat.data_ptr() != rows.data_ptr():
+                        continue
+                    try:
+                        flat.data = flat.data.clone()
+                    except torch.OutOfMemoryError:
                         flat.data = flat.data.to("cpu", copy=True)
+                        if adapter_id not in on_host:
+                            on_host.append(adapter_id)
                 # parameters re-pointed from outside keep their own values (gathered on next use)
                 self._point_missing(adapter_id, old, [f.data for f in flats])
             device = storage.master[0].device
