@@ -8,7 +8,9 @@ checkpoint intact.
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,9 +18,22 @@ from pathlib import Path
 import torch
 
 from plora_hpo.engine.adapter_state import AdapterState
-from plora_hpo.errors import CheckpointError, first_line
+from plora_hpo.errors import CheckpointError, PloraError, first_line
+from plora_hpo.trials import TrialInterrupted
 
 FORMAT_VERSION = 1
+
+
+class NoSpaceLeft(TrialInterrupted, PloraError):
+    """A checkpoint could not be written because its file system is full: the sweep stops and
+    its trials resume from their previous checkpoints once there is room."""
+
+
+def disk_has_room(directory: Path, needed: int = 1 << 20) -> bool:
+    """Whether the file system of ``directory`` (or its nearest existing parent) has ``needed`` bytes free."""
+    while not directory.exists() and directory != directory.parent:
+        directory = directory.parent
+    return shutil.disk_usage(directory).free >= needed
 
 
 class CheckpointStore:
@@ -31,11 +46,28 @@ class CheckpointStore:
         return self.directory / f"t{lineage}.pt"
 
     def save(self, lineage: int, state: AdapterState, extra: dict[str, str] | None = None) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
+        """Write the lineage's checkpoint; the previous one stays until the new one is whole.
+
+        Raises:
+            NoSpaceLeft: the file system is full (the previous checkpoint is kept).
+        """
         final = self.path(lineage)
         partial = final.with_name(f".{final.name}.{os.getpid()}.partial")
-        torch.save({"version": FORMAT_VERSION, "state": state.to_dict(), "extra": extra or {}}, partial)
-        os.replace(partial, final)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            torch.save({"version": FORMAT_VERSION, "state": state.to_dict(), "extra": extra or {}}, partial)
+            os.replace(partial, final)
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+            partial.unlink(missing_ok=True)
+            if isinstance(err, OSError) and err.errno != errno.ENOSPC and disk_has_room(self.directory):
+                raise
+            if not isinstance(err, OSError) and disk_has_room(self.directory):
+                raise
+            raise NoSpaceLeft(
+                f"no space left on the device of {self.directory} for a checkpoint ({first_line(err)}); free "
+                "space or move the run directory, then rerun the same command: it resumes from the last "
+                "checkpoints"
+            ) from err
         return final
 
     def load(self, lineage: int) -> tuple[AdapterState, dict[str, str]] | None:

@@ -6,13 +6,19 @@ Every user-facing failure prints one ``error:`` line naming the problem and the 
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from plora_hpo.errors import PloraError
+from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
+from plora_hpo.trials import TrialInterrupted
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -39,6 +45,35 @@ def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="continue the sweep in --run-dir (an error if there is none); a plain rerun also resumes",
     )
+    p.add_argument(
+        "--workers",
+        choices=("processes", "threads"),
+        help="one worker process per device, or one thread per device in this process "
+        "(default: processes when there are several devices)",
+    )
+    _add_heartbeat(p)
+
+
+def _add_heartbeat(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=HEARTBEAT_SECONDS,
+        help=f"seconds between heartbeats of trials in training; a trial silent for {GRACE_HEARTBEATS} of "
+        f"them is re-run by another worker (default {HEARTBEAT_SECONDS:g})",
+    )
+
+
+def _add_worker_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="join a running sweep: train its trials on this machine's devices")
+    p.add_argument("--storage", required=True, help="the sweep's Optuna storage URL, e.g. postgresql://…")
+    p.add_argument("--study", required=True, help="the study to serve: <sweep name>-<task>")
+    p.add_argument("--run-dir", type=Path, help="the sweep's shared run directory here (default: its recorded path)")
+    p.add_argument("--device", help="as for sweep --device (default: every GPU, else cpu)")
+    p.add_argument("--data-dir", help="offline task data here (default: the sweep's recorded path)")
+    p.add_argument("--mlflow-uri", help="the sweep's MLflow tracking URI as reached from here (default: the sweep's)")
+    p.add_argument("--sweep-file", type=Path, help="check that the study runs this sweep file before joining")
+    _add_heartbeat(p)
 
 
 def _add_results_parser(sub: argparse._SubParsersAction) -> None:
@@ -61,9 +96,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="show library logs and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sweep_parser(sub)
+    _add_worker_parser(sub)
     _add_plan_parser(sub)
     _add_results_parser(sub)
     return parser
+
+
+class Preemption:
+    """SIGTERM (what SLURM and Kubernetes send) or Ctrl-C: stop the sweep in an orderly way.
+
+    Before there is anything to stop, the signal interrupts at once. Afterwards ``stop`` runs in
+    a thread of its own (it waits for packs to checkpoint) and the training threads end with
+    :class:`~plora_hpo.trials.TrialInterrupted`; a second signal interrupts at once.
+    """
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        self.stop: Callable[[], None] | None = None
+
+    def install(self) -> Preemption:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, _frame: object) -> None:
+        if self.signal is not None or self.stop is None:
+            self.signal = signum
+            raise KeyboardInterrupt
+        self.signal = signum
+        threading.Thread(target=self.stop, name="plora-preempted", daemon=True).start()
+
+    def line(self, what: str) -> str:
+        name = signal.Signals(self.signal or signal.SIGTERM).name
+        return (
+            f"stopped by {name}: {what}; in-flight adapters were checkpointed and their trials queued "
+            "to resume (rerun the same command, or another worker takes them)"
+        )
 
 
 def run_sweep(args: argparse.Namespace) -> int:
@@ -74,6 +142,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     from plora_hpo.report import print_summary
     from plora_hpo.run import SweepRun
 
+    preemption = Preemption().install()
     config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
     progress = RichPackProgress()
     run = SweepRun(
@@ -86,16 +155,20 @@ def run_sweep(args: argparse.Namespace) -> int:
         resume=args.resume,
         progress=progress,
         sweep_file=args.file,
+        heartbeat=args.heartbeat,
+        processes=None if args.workers is None else args.workers == "processes",
     )
     run.open()  # refusals (bad input, a live owner, a changed resume) print one line, no progress bars
+    preemption.stop = run.interrupt
     with progress:
         try:
-            assert run.sweep is not None and run.tracker is not None
-            workers = len(run.sweep.workers)
-            progress.note(
-                f"packs chosen by the {config.pack.policy} policy on {workers} device(s)"
-                + (" (degree 1: one pack per device)" if workers > 1 else "")
+            assert run.tracker is not None
+            where = (
+                f"{len(run.devices)} worker processes ({', '.join(run.devices)})"
+                if run.processes
+                else f"{len(run.devices)} device(s)"
             )
+            progress.note(f"packs chosen by the {config.pack.policy} policy on {where}; degree 1: one pack per device")
             if run.closed_runs:
                 progress.note(f"closed {len(run.closed_runs)} MLflow runs a killed process left RUNNING")
             for task, n in run.retries.items():
@@ -103,19 +176,58 @@ def run_sweep(args: argparse.Namespace) -> int:
                     progress.note(f"{task}: resuming {n} trials a killed run left in flight")
             started = time.perf_counter()
             studies = run.optimize()
-        except BaseException:
-            run.close(failed=True)
+        except BaseException as err:
+            if preemption.signal is not None and isinstance(err, (TrialInterrupted, PloraError)):
+                run.close(status="KILLED")
+                print(preemption.line(f"sweep {config.name} stopped"), file=sys.stderr)
+                return 128 + preemption.signal
+            run.close(status="FAILED")
             raise
         run.close()
     print_summary(
         studies, wall_seconds=time.perf_counter() - started, storage=run.storage, tracking_uri=run.tracker.tracking_uri
     )
-    line = pack_record_line(run.sweep.pack_segments, run.run_dir)
-    if line is not None:
-        print(line)
+    if run.sweep is not None:
+        line = pack_record_line(run.sweep.pack_segments, run.run_dir)
+        if line is not None:
+            print(line)
     note = run.tracker.delivery_note()
     if note is not None:
         print(note)
+    return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    """Serve a running sweep's study on this machine until its trials are done."""
+    from plora_hpo.cluster import SweepWorker
+    from plora_hpo.progress import RichPackProgress
+
+    preemption = Preemption().install()
+    progress = RichPackProgress()
+    worker = SweepWorker(
+        args.storage,
+        args.study,
+        run_dir=args.run_dir,
+        device=args.device,
+        data_dir=args.data_dir,
+        mlflow_uri=args.mlflow_uri,
+        heartbeat=args.heartbeat,
+        sweep_file=args.sweep_file,
+        progress=progress,
+    )
+    try:
+        worker.open()
+        preemption.stop = worker.interrupt
+        with progress:
+            worker.serve()
+    except TrialInterrupted:
+        if preemption.signal is None:
+            raise
+        print(preemption.line(f"worker {worker.label} left study {args.study}"), file=sys.stderr)
+        return 128 + preemption.signal
+    finally:
+        worker.close()
+    print(f"worker {worker.label}: study {args.study} has its trials; done", file=sys.stderr)
     return 0
 
 
@@ -173,6 +285,35 @@ def run_plan(args: argparse.Namespace) -> int:
     return plan(args)
 
 
+class StoppedTrialsFilter(logging.Filter):
+    """Drops Optuna's two warnings about each trial a stopping sweep interrupted or a full disk
+    failed (a traceback and "failed with value None"): the CLI says why it stopped once, in one line."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._dropped: set[str] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and (isinstance(error, TrialInterrupted) or disk_full(error) is not None):
+            self._dropped.add(message.split(" failed", 1)[0])  # "Trial 3"
+            return False
+        return message.split(" failed", 1)[0] not in self._dropped
+
+
+def disk_full(err: BaseException) -> str | None:
+    """What says that ``err`` or an exception it came from is a full disk (OS or SQLite), or None."""
+    seen: BaseException | None = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
+            return os.strerror(errno.ENOSPC)
+        if "disk is full" in str(seen):
+            return "database or disk is full"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
@@ -180,7 +321,12 @@ def main(argv: list[str] | None = None) -> int:
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
-    handlers = {"sweep": run_sweep, "plan": run_plan, "results": run_results}
+        for handler in logging.getLogger("optuna").handlers:
+            handler.addFilter(StoppedTrialsFilter())
+        # MLflow's SQL store logs each failed write with its traceback; the tracker reports what
+        # did not arrive, and a full disk ends the sweep with one line
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+    handlers = {"sweep": run_sweep, "worker": run_worker, "plan": run_plan, "results": run_results}
     try:
         return handlers[args.command](args)
     except PloraError as err:
@@ -191,6 +337,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted; rerun the same command to resume the sweep", file=sys.stderr)
         return 130
+    except Exception as err:
+        cause = disk_full(err)
+        if args.verbose or cause is None:
+            raise
+        print(
+            f"error: no space left on a device the sweep writes to ({cause}); free space or move --run-dir, "
+            "then rerun the same command: it resumes from the last checkpoints",
+            file=sys.stderr,
+        )
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ uninterrupted one would, in the same order.
 
 A point is held by any trial that carries its ``grid_id`` (finished or running, as Optuna counts
 them) and by any trial whose enqueued ``fixed_params`` equal it (retries waiting to run, trials a
-user enqueued), so enqueuing a grid point does not train it a second time.
+user enqueued), so enqueuing a grid point does not train it a second time. A sweep enqueues its
+whole grid up front (:meth:`OrderedGridSampler.queue`): the lock above serves one process only,
+while taking a waiting trial is atomic across all of them.
 """
 
 from __future__ import annotations
@@ -43,6 +45,33 @@ class OrderedGridSampler(GridSampler):
                 return
             study._storage.set_trial_system_attr(trial._trial_id, "search_space", self._search_space)
             study._storage.set_trial_system_attr(trial._trial_id, "grid_id", free[0])
+
+    def queue(self, study: optuna.Study, n_trials: int) -> int:
+        """Enqueue grid points no trial holds, in grid order, until ``n_trials`` points are held.
+
+        Each goes in as a WAITING trial carrying its params and grid point. Processes that share
+        the study take waiting trials atomically (see :mod:`plora_hpo.storage`), so every point
+        trains exactly once however many workers serve the study. Returns how many were enqueued.
+        """
+        held = self.held_points(study)
+        added = 0
+        for i, point in enumerate(self._all_grids):
+            if len(held) >= n_trials:
+                break
+            if i in held:
+                continue
+            trial = optuna.trial.create_trial(
+                state=optuna.trial.TrialState.WAITING,
+                system_attrs={
+                    "fixed_params": dict(zip(self._param_names, point)),
+                    "grid_id": i,
+                    "search_space": self._search_space,
+                },
+            )
+            study.add_trial(trial)
+            held.add(i)
+            added += 1
+        return added
 
     def held_points(self, study: optuna.Study) -> set[int]:
         """Grid ids that a trial of ``study`` has trained, is training or is queued to train."""

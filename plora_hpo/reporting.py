@@ -88,6 +88,11 @@ class TrialReporter(Protocol):
         """A trial met an unexpected error: its run ends FAILED (the trial gets the error)."""
         ...
 
+    def trial_interrupted(self, record: TrialRecord) -> None:
+        """The sweep stopped mid-trial (its checkpoint is saved): the curve so far, and the run
+        ends KILLED until the trial's retry continues it."""
+        ...
+
     def pack_segment(self, segment: PackSegment) -> None:
         """A pack composition ended (members joined or left, or the pack finished)."""
         ...
@@ -126,6 +131,9 @@ class NullReporter(_SegmentLog):
         pass
 
     def trial_abandoned(self, run_id: str) -> None:
+        pass
+
+    def trial_interrupted(self, record: TrialRecord) -> None:
         pass
 
 
@@ -193,6 +201,11 @@ class MlflowReporter(_SegmentLog):
 
     def trial_abandoned(self, run_id: str) -> None:
         self.tracker.end_trial(run_id, "FAILED")
+
+    def trial_interrupted(self, record: TrialRecord) -> None:
+        self._log(record.run_id, curve_rows(record.curve))
+        self.tracker.set_tags(record.run_id, {"plora.interrupted": "checkpointed; its retry continues this run"})
+        self.tracker.end_trial(record.run_id, "KILLED")
 
 
 def _primary(task: str) -> str:

@@ -9,12 +9,15 @@ it decides, in one place, whether and how an earlier process's work continues:
 2. the run directory is taken (one live owner: a second sweep on it is refused);
 3. the studies are opened and the trials a dead or interrupted process left unfinished are
    enqueued again with their lineage, grid point and MLflow run (:func:`recover_stale_trials`);
-4. the MLflow parent run continues, and runs a killed process left RUNNING that no retry will
-   continue are closed.
+   with a storage given explicitly, which workers elsewhere may share, only the trials whose
+   heartbeat stopped are;
+4. the MLflow parent run continues, and (with the run directory's own storage) runs a killed
+   process left RUNNING that no retry will continue are closed.
 
-:meth:`SweepRun.optimize` then runs those retries first (from their checkpoints, through the
-workers) and the remaining trials with ``study.optimize``. The components it wires (the packed
-sweep, its workers, the tracker) know nothing of it.
+:meth:`SweepRun.optimize` then serves each study: in this process (one training thread per
+device) or in one worker process per device (:mod:`plora_hpo.cluster`), while workers on other
+machines may join. The components it wires (the packed sweep, its workers, the tracker) know
+nothing of it.
 
 Example:
     >>> from plora_hpo import SweepRun, load_sweep  # doctest: +SKIP
@@ -26,6 +29,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
 from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
@@ -34,19 +39,23 @@ from typing import Any
 import optuna
 
 from plora_hpo.checkpoints import CheckpointStore
+from plora_hpo.cluster import describe_for_workers, set_target, start_local_workers
 from plora_hpo.config import SweepConfig
+from plora_hpo.errors import PloraError
 from plora_hpo.ownership import RunDirOwner
 from plora_hpo.preflight import check_sweep_inputs
 from plora_hpo.run_state import RunState, check_resumable
+from plora_hpo.storage import HEARTBEAT_SECONDS, N_TRIALS_ATTR, fail_stale_trials
 from plora_hpo.study import (
     PackedObjective,
     create_study,
     default_n_trials,
     finished_trials,
+    queue_grid,
     recover_stale_trials,
-    run_waiting_trials,
+    serve,
 )
-from plora_hpo.sweep import PackedSweep, checkpoint_dir
+from plora_hpo.sweep import PackedSweep, checkpoint_dir, resolve_devices
 from plora_hpo.tracking import SweepTracker, default_tracking_uri
 from plora_hpo.trials import PackProgress
 
@@ -80,13 +89,18 @@ class SweepRun:
         resume: require an earlier run in ``run_dir`` (a plain open resumes one too, if present).
         progress: front-end hooks (the CLI's progress bars).
         sweep_file: the file ``config`` came from, recorded with the studies and the MLflow run.
+        heartbeat: seconds between the heartbeats of trials in training (see :mod:`plora_hpo.storage`).
+        processes: train in one worker process per device (default: when there are several
+            devices); otherwise one thread per device in this process.
 
     Attributes (after :meth:`open`):
-        sweep: the packed sweep (workers, trial pool) the studies' trials train on.
+        sweep: the packed sweep (workers, trial pool) the studies' trials train on; None when
+            worker processes train them.
         studies: one Optuna study per task.
         tracker: the sweep's MLflow tracker (parent run open).
         retries: per task, how many trials an earlier process left in flight and will be resumed.
-        closed_runs: MLflow runs an earlier process left RUNNING that were closed.
+        closed_runs: MLflow runs an earlier process left RUNNING that were closed (with the run
+            directory's own storage only: with a shared one they may be live workers' runs).
         eval_documents: per task, which evaluation documents the trials are scored on.
     """
 
@@ -102,8 +116,12 @@ class SweepRun:
         resume: bool = False,
         progress: PackProgress | None = None,
         sweep_file: str | PathLike[str] | None = None,
+        heartbeat: float = HEARTBEAT_SECONDS,
+        processes: bool | None = None,
     ) -> None:
         self.config = config
+        self.heartbeat = heartbeat
+        self.processes = processes
         self.sweep_file = None if sweep_file is None else str(Path(sweep_file).resolve())
         self.run_dir = Path(run_dir)
         self._storage_given = storage  # checked by preflight; the default lives in run_dir
@@ -119,6 +137,8 @@ class SweepRun:
         self.retries: dict[str, int] = {}
         self.closed_runs: list[str] = []
         self.eval_documents: dict[str, str] = {}
+        self.devices: list[str] = []
+        self.worker_processes: list[subprocess.Popen] = []  # while optimize() waits for them
         self._owner: RunDirOwner | None = None
         self._closed = False
 
@@ -157,17 +177,24 @@ class SweepRun:
             self.tracker = SweepTracker(
                 self.mlflow_uri or default_tracking_uri(run_dir), config.name, artifact_root=run_dir
             )
-            self.progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
-            self.sweep = PackedSweep(
-                config,
-                tracker=self.tracker,
-                run_dir=run_dir,
-                data_dir=self.data_dir,
-                device=self.device,
-                progress=self.progress,
-            )
+            devices = resolve_devices(self.device)
+            if self.processes is None:
+                self.processes = len(devices) > 1
+            self.devices = [str(d) for d in devices]
+            if not self.processes:
+                self.progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
+                self.sweep = PackedSweep(
+                    config,
+                    tracker=self.tracker,
+                    run_dir=run_dir,
+                    data_dir=self.data_dir,
+                    device=self.device,
+                    progress=self.progress,
+                )
             self.tracker.check_reachable()
-            self.studies = {task: create_study(config, task, self.storage) for task in config.tasks}
+            self.studies = {
+                task: create_study(config, task, self.storage, heartbeat=self.heartbeat) for task in config.tasks
+            }
         except BaseException:
             if self.sweep is not None:
                 self.sweep.close()
@@ -176,15 +203,21 @@ class SweepRun:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
         try:
-            # this process owns the run directory: trials left RUNNING were left by a dead process
             for task, study in self.studies.items():
-                self.retries[task] = len(recover_stale_trials(study))
-            self.eval_documents = self.sweep.eval_documents()
-            for task, documents in self.eval_documents.items():
-                self.studies[task].set_user_attr("eval_documents", documents)
+                if self._storage_given is None:
+                    # the run directory's own storage, and this process owns the run directory:
+                    # trials left RUNNING were left by a dead process
+                    self.retries[task] = len(recover_stale_trials(study))
+                else:  # workers elsewhere may be training: only trials whose heartbeat stopped
+                    fail_stale_trials(study)
+                describe_for_workers(study, config, task, run_dir=run_dir, data_dir=self.data_dir)
+            if self.sweep is not None:
+                self.eval_documents = self.sweep.eval_documents()
+                for task, documents in self.eval_documents.items():
+                    self.studies[task].set_user_attr("eval_documents", documents)
             self._continue_tracking(saved)
         except BaseException:
-            self.close(failed=True)
+            self.close(status="FAILED")
             raise
         return self
 
@@ -209,6 +242,8 @@ class SweepRun:
             study.set_user_attr("mlflow_tracking_uri", self.tracker.tracking_uri)
             if self.sweep_file is not None:
                 study.set_user_attr("sweep_file", self.sweep_file)
+        if self._storage_given is not None:  # runs left RUNNING may be live workers' elsewhere
+            return
         continued = {
             t.user_attrs["mlflow_run_id"]
             for study in self.studies.values()
@@ -218,37 +253,79 @@ class SweepRun:
         self.closed_runs = self.tracker.close_orphan_runs(keep=continued)
 
     def optimize(self, n_trials: int | None = None) -> dict[str, optuna.Study]:
-        """Resume the recovered trials, then run each task's study until it has ``n_trials``
-        finished trials (default: the sweep file's ``n_trials``, else the grid size).
+        """Run each task's study until it has ``n_trials`` finished trials (default: the sweep
+        file's ``n_trials``, else the grid size), retries of recovered trials first.
 
-        Trials train concurrently (``n_jobs`` = :attr:`PackedSweep.concurrency`), so the
-        admission policy packs them. Returns the studies.
+        In this process, trials train concurrently (``n_jobs`` = :attr:`PackedSweep.concurrency`),
+        so the admission policy packs them; with worker processes, each serves the study on its
+        device and this process waits for them. Workers joining from other machines
+        (``plora-hpo worker``) serve the same studies. Returns the studies.
         """
-        if self.sweep is None:
+        if not self.studies:
             raise RuntimeError("SweepRun.optimize() needs an open run: use `with SweepRun(...) as run:`")
         target = default_n_trials(self.config) if n_trials is None else n_trials
         for task, study in self.studies.items():
-            objective = PackedObjective(self.sweep, task)
-            self.progress.add_trials(max(0, target - finished_trials(study)))
-            run_waiting_trials(study, objective)
-            remaining = max(0, target - finished_trials(study))
-            study.optimize(objective, n_trials=remaining, n_jobs=self.sweep.concurrency, catch=())
+            set_target(study, target)
+            queue_grid(study, target)
+            if self.sweep is not None:
+                self.progress.add_trials(max(0, target - finished_trials(study)))
+                serve(study, PackedObjective(self.sweep, task), n_trials=target)
+            else:  # each worker process shows its own progress
+                self._run_worker_processes(study)
         return self.studies
 
-    def close(self, *, failed: bool = False) -> None:
-        """Stop the workers (in-flight adapters are checkpointed), end the MLflow parent run
-        (FAILED when ``failed``) and give the run directory up. Idempotent."""
+    def _run_worker_processes(self, study: optuna.Study) -> None:
+        """One worker process per device serves ``study``; wait for all of them.
+
+        A worker that dies leaves its trials to the others (by heartbeat); the sweep fails only
+        when every worker stopped with trials unfinished.
+        """
+        assert self.tracker is not None
+        procs = start_local_workers(
+            self.storage,
+            study.study_name,
+            self.devices,
+            run_dir=self.run_dir,
+            data_dir=self.data_dir,
+            mlflow_uri=self.tracker.tracking_uri,
+            heartbeat=self.heartbeat,
+        )
+        self.worker_processes = procs
+        try:
+            codes = [p.wait() for p in procs]
+        finally:
+            self.worker_processes = []
+        target = study.user_attrs[N_TRIALS_ATTR]
+        if finished_trials(study) < target:
+            raise PloraError(
+                f"{study.study_name}: every worker process stopped (exit codes {codes}) with "
+                f"{target - finished_trials(study)} trials unfinished; rerun the same command to resume them"
+            )
+
+    def interrupt(self) -> None:
+        """Stop training from another thread (a signal handler's): packs checkpoint their
+        adapters and their trials are queued to resume; :meth:`optimize` then raises
+        :class:`~plora_hpo.trials.TrialInterrupted` (worker processes are sent SIGTERM and do the same)."""
+        for proc in self.worker_processes:
+            proc.send_signal(signal.SIGTERM)
+        if self.sweep is not None:
+            self.sweep.interrupt()
+
+    def close(self, *, status: str = "FINISHED") -> None:
+        """Stop the workers (in-flight adapters are checkpointed), end the MLflow parent run with
+        ``status`` (FINISHED, FAILED, KILLED: a summary only when FINISHED) and give the run
+        directory up. Idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
             if self.sweep is not None:
                 self.sweep.close()
-            if not failed and self.tracker is not None:
+            if status == "FINISHED" and self.tracker is not None:
                 self._record_summary()
         finally:
             if self.tracker is not None:
-                self.tracker.finish("FAILED" if failed else "FINISHED")
+                self.tracker.finish(status)
             self._release()
 
     def _record_summary(self) -> None:
@@ -293,4 +370,4 @@ class SweepRun:
         return self.open()
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.close(failed=exc_type is not None)
+        self.close(status="FINISHED" if exc_type is None else "FAILED")

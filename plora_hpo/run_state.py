@@ -69,7 +69,7 @@ def check_resumable(run_dir: Path, config: SweepConfig, *, resume: bool) -> RunS
             raise ConfigError(f"--resume: nothing to resume in {run_dir} (no {STATE_FILE}); drop --resume to start it")
         return None
     now = RunState.of(config).settings
-    for key, (before, after) in _differences(saved.settings, now).items():
+    for key, (before, after) in differences(saved.settings, now).items():
         if not any(key == k or key.startswith(f"{k}.") for k in _MAY_CHANGE):
             raise ConfigError(
                 f"incompatible resume: {key} was {before!r} in {run_dir}, now {after!r}; "
@@ -78,10 +78,10 @@ def check_resumable(run_dir: Path, config: SweepConfig, *, resume: bool) -> RunS
     return saved
 
 
-def _differences(before: Any, after: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
+def differences(before: Any, after: Any, prefix: str = "") -> dict[str, tuple[Any, Any]]:
     if isinstance(before, dict) and isinstance(after, dict):
         out: dict[str, tuple[Any, Any]] = {}
         for key in sorted(set(before) | set(after)):
-            out.update(_differences(before.get(key), after.get(key), f"{prefix}{key}."))
+            out.update(differences(before.get(key), after.get(key), f"{prefix}{key}."))
         return out
     return {} if before == after else {prefix.rstrip("."): (before, after)}

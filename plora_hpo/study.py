@@ -12,20 +12,25 @@ packed, tell each result).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+import time
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import optuna
 
 from plora_hpo.config import SweepConfig
-from plora_hpo.errors import ConfigError, PloraError, first_line
+from plora_hpo.errors import ConfigError, first_line
 from plora_hpo.grid import OrderedGridSampler
 from plora_hpo.space import SearchSpace
+from plora_hpo.storage import HEARTBEAT_SECONDS, TrialBudgetReached, fail_stale_trials, open_storage, requeue
 from plora_hpo.sweep import PackedSweep
 from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest
+
+log = logging.getLogger(__name__)
 
 FINAL_LOSS_STEPS = 10
 """The final training loss a trial records is the mean over its last this many steps: one step's
@@ -64,46 +69,51 @@ def study_name(config: SweepConfig, task: str) -> str:
     return f"{config.name}-{task}"
 
 
-def create_study(config: SweepConfig, task: str, storage: str) -> optuna.Study:
-    """Create (or reopen, to resume) the task's study in ``storage``.
+def create_study(config: SweepConfig, task: str, storage: str, *, heartbeat: float = HEARTBEAT_SECONDS) -> optuna.Study:
+    """Create (or reopen, to resume or join) the task's study in ``storage``.
 
-    The reference trial (:data:`REFERENCE_PARAMS`) is not enqueued: Optuna 5.0 on sqlite can hand
-    one waiting trial to two ``study.optimize`` threads at once, and packs run with ``n_jobs > 1``.
-    Grids that contain it (demo, paper120) train it anyway; the summary compares against it.
+    The storage records a heartbeat of every trial in training every ``heartbeat`` seconds, so
+    processes sharing it re-run the trials of one that died (:mod:`plora_hpo.storage`).
+    The reference trial (:data:`REFERENCE_PARAMS`) is not enqueued: grids that contain it (demo,
+    paper120) train it anyway; the summary compares against it.
 
     Trials a dead process left unfinished are recovered by the study's owner
-    (:class:`~plora_hpo.run.SweepRun`), never here: other live processes may be running them.
+    (:class:`~plora_hpo.run.SweepRun`) or by heartbeat, never here: other live processes may be
+    running them.
     """
     space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
-    try:
-        study = optuna.create_study(
-            study_name=study_name(config, task),
-            storage=storage,
-            sampler=make_sampler(config, space),
-            pruner=make_pruner(config),
-            direction="maximize",
-            load_if_exists=True,
-        )
-    except Exception as err:  # SQLAlchemy/Optuna raise many kinds for a bad URL
-        raise PloraError(
-            f"cannot open the Optuna storage {storage!r} ({first_line(err)}); "
-            "pass --storage with a reachable database URL"
-        ) from None
+    study = optuna.create_study(
+        study_name=study_name(config, task),
+        storage=open_storage(storage, heartbeat=heartbeat),
+        sampler=make_sampler(config, space),
+        pruner=make_pruner(config),
+        direction="maximize",
+        load_if_exists=True,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study.set_metric_names([task_metric_name(task)])
     return study
 
 
+def queue_grid(study: optuna.Study, n_trials: int) -> int:
+    """Enqueue the grid points of a grid study up to ``n_trials`` (see
+    :meth:`~plora_hpo.grid.OrderedGridSampler.queue`); other samplers propose as they go. Returns
+    how many were enqueued."""
+    if isinstance(study.sampler, OrderedGridSampler):
+        return study.sampler.queue(study, n_trials)
+    return 0
+
+
 def recover_stale_trials(study: optuna.Study) -> list[int]:
     """Fail every trial a dead or interrupted run left unfinished and enqueue it again.
 
-    After a crash or ``kill -9`` the storage still holds the in-flight trials as RUNNING and
-    nothing would ever finish them; after an interrupt they are FAIL with the user attr
-    ``interrupted``. Each is (told FAIL and) enqueued again as a WAITING copy with the same
-    params, grid point and user attrs plus ``retry_of``: the copy keeps the ``lineage`` and
-    ``mlflow_run_id``, so it resumes from the checkpoint and continues the MLflow run.
-    :func:`finished_trials` does not count the original. Returns the recovered trial numbers.
+    Only for a study no live process serves (its owner checked that): after a crash or
+    ``kill -9`` the storage still holds the in-flight trials as RUNNING and nothing would ever
+    finish them; after an interrupt they are FAIL with the user attr ``interrupted``. Each is
+    (told FAIL and) re-queued with its grid point, lineage and MLflow run
+    (:func:`~plora_hpo.storage.requeue`). :func:`finished_trials` does not count the original.
+    Returns the recovered trial numbers.
     """
     trials = study.get_trials(deepcopy=False)
     retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
@@ -114,50 +124,38 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
         or (t.state == optuna.trial.TrialState.FAIL and t.user_attrs.get("interrupted") and t.number not in retried)
     ]
     for trial in stale:
-        params = trial.system_attrs.get("fixed_params") or trial.params
         if trial.state == optuna.trial.TrialState.RUNNING:
             _tell(study, trial.number, state=optuna.trial.TrialState.FAIL)
-        user_attrs = {k: v for k, v in trial.user_attrs.items() if k != "interrupted"}
-        grid = {k: trial.system_attrs[k] for k in ("grid_id", "search_space") if k in trial.system_attrs}
-        retry = optuna.trial.create_trial(
-            state=optuna.trial.TrialState.WAITING,
-            system_attrs={"fixed_params": params, **grid},
-            user_attrs={**user_attrs, "retry_of": trial.number},
-        )
-        study.add_trial(retry)
+        requeue(study, trial)
     return [t.number for t in stale]
 
 
-def run_waiting_trials(study: optuna.Study, objective: PackedObjective) -> int:
-    """Run every WAITING trial (the retries :func:`recover_stale_trials` enqueued) together.
+def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, poll_seconds: float = 1.0) -> None:
+    """Train the study's trials in this process until ``n_trials`` are finished, by any process.
 
-    They are asked here, one after another in one thread, and then trained concurrently: Optuna
-    5.0 on sqlite can pop one waiting trial into two ``study.optimize`` threads at once.
-    Returns how many ran.
+    Each round takes the waiting trials (retries, enqueued grid points) and asks the sampler for
+    as many new ones as are still missing, all through ``study.optimize`` with
+    ``n_jobs`` = the sweep's concurrency (so Optuna's heartbeat covers every trial, and trials
+    of dead processes are failed and re-queued as rounds start). When nothing is left to take
+    but other processes still train trials, it waits: one of them may die and leave retries.
     """
-    waiting = study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.WAITING,))
-    trials = [study.ask() for _ in waiting]
-    if trials:
-        with ThreadPoolExecutor(len(trials), thread_name_prefix="plora-retry") as pool:
-            for future in [pool.submit(_run_and_tell, study, objective, t) for t in trials]:
-                future.result()
-    return len(trials)
-
-
-def _run_and_tell(study: optuna.Study, objective: PackedObjective, trial: optuna.Trial) -> None:
-    """What ``study.optimize`` does with one trial: run the objective, tell the state it reached."""
-    try:
-        value = objective(trial)
-    except optuna.TrialPruned:
-        _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
-        return
-    except BaseException:
-        _tell(study, trial, state=optuna.trial.TrialState.FAIL)
-        raise
-    if value != value:  # NaN: the adapter failed (non-finite); only this trial fails
-        _tell(study, trial, state=optuna.trial.TrialState.FAIL)
-    else:
-        _tell(study, trial, value)
+    n_jobs = objective.sweep.concurrency
+    while True:
+        fail_stale_trials(study)
+        trials = study.get_trials(deepcopy=False)
+        retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+        live = [t for t in trials if t.number not in retried]
+        waiting = sum(t.state == optuna.trial.TrialState.WAITING for t in live)
+        running = sum(t.state == optuna.trial.TrialState.RUNNING for t in live)
+        finished = sum(t.state.is_finished() for t in live)
+        todo = waiting + max(0, n_trials - finished - running - waiting)
+        if todo:
+            with contextlib.suppress(TrialBudgetReached):  # other processes took what this one would ask
+                study.optimize(objective, n_trials=todo, n_jobs=min(n_jobs, todo), catch=())
+        elif running:
+            time.sleep(poll_seconds)
+        else:
+            return
 
 
 def finished_trials(study: optuna.Study) -> int:
@@ -266,7 +264,12 @@ class PackedObjective:
         try:
             outcome = self.sweep.submit(trial_request(trial, self.task, config, self.pruning)).wait()
         except TrialInterrupted:
-            trial.set_user_attr("interrupted", True)  # a rerun resumes it (recover_stale_trials)
+            # the sweep stopped (closed, preempted, a full disk): any process serving the study resumes it
+            try:
+                trial.set_user_attr("interrupted", True)
+                requeue(trial.study, trial.study._storage.get_trial(trial._trial_id))
+            except Exception as err:  # the storage refused too (full): the trial stays RUNNING, a rerun recovers it
+                log.info("trial %d: cannot queue its retry (%s)", trial.number, first_line(err))
             raise
         if outcome.pruned:
             record_outcome(trial, outcome)
@@ -283,7 +286,9 @@ class PackedObjective:
 # --- explicit batches ---------------------------------------------------------------------------
 def ask_batch(study: optuna.Study, space: SearchSpace, size: int) -> list[tuple[optuna.Trial, Any]]:
     """Ask ``size`` trials at once; returns (trial, AdapterConfig) pairs."""
-    trials = [study.ask() for _ in range(size)]
+    with warnings.catch_warnings():  # the study's heartbeat serves study.optimize; this is ask-and-tell
+        warnings.filterwarnings("ignore", "Heartbeat of storage", UserWarning)
+        trials = [study.ask() for _ in range(size)]
     return [(trial, space.suggest(trial)) for trial in trials]
 
 

@@ -66,6 +66,8 @@ class PackedSweep:
         data_dir: offline task data (``None``: ``$PLORA_HPO_DATA_DIR`` or the Hub).
         device: see :func:`resolve_devices`.
         progress: front-end hooks (progress bars).
+        label: names this process among several serving one study (a worker process): it is in
+            every pack id (``pack-3@<label>``) and its pack record goes to ``packs/<label>/``.
     """
 
     def __init__(
@@ -77,8 +79,10 @@ class PackedSweep:
         data_dir: str | None = None,
         device: str | None = None,
         progress: PackProgress | None = None,
+        label: str | None = None,
     ) -> None:
         self.config = config
+        self.label = label
         self.tracker = tracker
         self.run_dir = run_dir
         self.data_dir = data_dir
@@ -97,7 +101,9 @@ class PackedSweep:
         self._pack_ids = itertools.count()
         self._pack_id_lock = threading.Lock()
         self._started = False
+        self._interrupted = False
         self._lock = threading.Lock()
+        self._close_lock = threading.Lock()
         names = [f"{d}" if self.devices.count(d) == 1 else f"{d}#{i}" for i, d in enumerate(self.devices)]
         self.workers: list[DeviceWorker] = []
         for i, (dev, name) in enumerate(zip(self.devices, names)):
@@ -179,7 +185,10 @@ class PackedSweep:
     def _next_pack_id(self, worker_name: str) -> str:
         with self._pack_id_lock:
             n = next(self._pack_ids)
-        return f"pack-{n}" if len(self.devices) == 1 else f"pack-{n}@{worker_name}"
+        where = [self.label] if self.label else []
+        if len(self.devices) > 1:
+            where.append(worker_name)
+        return f"pack-{n}@{'/'.join(where)}" if where else f"pack-{n}"
 
     def _clock(self) -> float:
         return time.monotonic() - self._started_at
@@ -213,6 +222,10 @@ class PackedSweep:
     # --- submitting work ----------------------------------------------------------------------
     def submit(self, request: TrialRequest) -> TrialTicket:
         """Put a trial in the pool; a worker's admission policy places it in a pack. Thread-safe."""
+        if self._interrupted:
+            ticket = TrialTicket(request)
+            ticket.fail(TrialInterrupted(f"{request.adapter_id}: the sweep was stopped"))
+            return ticket
         with self._lock:
             if not self._started:
                 self.pool.reopen()
@@ -255,28 +268,36 @@ class PackedSweep:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def interrupt(self) -> None:
+        """Stop for good from any thread (preemption): like :meth:`close`, and trials submitted
+        afterwards fail with :class:`~plora_hpo.trials.TrialInterrupted` instead of training."""
+        self._interrupted = True
+        self.close()
+
     def close(self) -> None:
-        """Stop the workers (a pack still training checkpoints its adapters first; idempotent),
-        then write the record of pack decisions (:meth:`write_pack_record`)."""
-        for ticket in self.pool.close():  # trials no worker took any more
-            ticket.fail(TrialInterrupted(f"{ticket.request.adapter_id}: the sweep stopped before it started"))
-        if self._started:
-            for worker in self.workers:
-                worker.join()
-            self._started = False
-            self.write_pack_record()
+        """Stop the workers (a pack still training checkpoints its adapters first; idempotent,
+        thread-safe), then write the record of pack decisions (:meth:`write_pack_record`)."""
+        with self._close_lock:
+            for ticket in self.pool.close():  # trials no worker took any more
+                ticket.fail(TrialInterrupted(f"{ticket.request.adapter_id}: the sweep stopped before it started"))
+            if self._started:
+                for worker in self.workers:
+                    worker.join()
+                self._started = False
+                self.write_pack_record()
 
     def write_pack_record(self) -> Path | None:
-        """``<run_dir>/packs/packs.json`` and ``packs.png`` (what ran next to what was planned),
-        also logged to the MLflow parent run as ``packs/``. None when no pack ran."""
+        """``<run_dir>/packs/[<label>/]packs.json`` and ``packs.png`` (what ran next to what was
+        planned), also logged to the MLflow parent run there. None when no pack ran."""
         from plora_hpo.pack_record import write_pack_record
 
         segments = self.pack_segments
         if not segments:
             return None
-        folder = write_pack_record(segments, self.run_dir / "packs", title=self.config.name)
+        where = Path("packs", self.label) if self.label else Path("packs")
+        folder = write_pack_record(segments, self.run_dir / where, title=self.config.name)
         if self.tracker is not None and self.tracker.parent_run_id is not None:
-            self.tracker.log_folder(self.tracker.parent_run_id, folder, "packs")
+            self.tracker.log_folder(self.tracker.parent_run_id, folder, where.as_posix())
         return folder
 
 

@@ -103,6 +103,7 @@ class SweepTracker:
         self._remote = tracking_uri.startswith(("http://", "https://"))
         self._parent_local: str | None = None
         self._continued = False  # the parent run is an earlier process's (resume), so trial runs may exist
+        self._attached = False  # the parent run is another live process's (a joined worker)
         self._ids = RunIds()
         self._journal = Journal(self._ids, active=self._remote)  # only a server can go away
         self._queue = DeliveryQueue(
@@ -267,6 +268,10 @@ class SweepTracker:
         """End the parent run; wait up to ``finish_grace_s`` for queued calls, else write the fallback store."""
         if self._parent_local is None:
             return
+        if self._attached:
+            if self._remote and not self.flush(self.finish_grace_s):
+                self._write_fallback()
+            return
         self.end_trial(self._parent_local, status)  # the parent run ends as a trial's does
         if self._remote and not self.flush(self.finish_grace_s):
             self._write_fallback()
@@ -320,6 +325,13 @@ class SweepTracker:
         self._set_parent(run_id)
         self._continued = True
         return True
+
+    def attach(self, run_id: str) -> None:
+        """Log trial runs under another process's parent run ``run_id`` (a worker joining a sweep):
+        the parent stays that process's to end, so :meth:`finish` only delivers what is queued."""
+        self._set_parent(run_id)
+        self._continued = True
+        self._attached = True
 
     def resume_trial(self, run_id: str, tags: dict[str, str]) -> bool:
         """Continue a trial's run (a crashed predecessor's) with updated tags; False as for :meth:`resume`."""

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plora_hpo.admission import AdmissionPolicy, Candidate, Room
-from plora_hpo.checkpoints import CheckpointPacer
+from plora_hpo.checkpoints import CheckpointPacer, NoSpaceLeft
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import export_peft_adapter
@@ -496,17 +496,25 @@ class _Pack:
                         capture(self.trainer, adapter_id, slot.curve),
                         {"run_id": slot.run_id, "adapter_id": adapter_id},
                     )
+                self.reporter.trial_interrupted(slot)
                 slot.ticket.fail(TrialInterrupted(f"{adapter_id}: the sweep stopped; a rerun resumes it"))
                 self._leave(adapter_id)
             raise
         except BaseException as err:  # delivered to every trial of the pack; the worker serves on
+            full = isinstance(err, NoSpaceLeft)
             for adapter_id, slot in list(self.slots.items()):
                 slot.ticket.fail(err)
                 try:
-                    self.reporter.trial_abandoned(slot.run_id)
+                    if full:  # resumable from its last checkpoint once there is room
+                        self.reporter.trial_interrupted(slot)
+                    else:
+                        self.reporter.trial_abandoned(slot.run_id)
                     self._leave(adapter_id)
                 except Exception:  # the first error is the one to report
-                    log.exception("%s: cleaning up %s after an error failed too", self.pack_id, adapter_id)
+                    log.info("%s: cleaning up %s after an error failed too", self.pack_id, adapter_id)
+            if full:  # every later checkpoint would fail too: the sweep stops here
+                for ticket in self.worker.pool.close():
+                    ticket.fail(TrialInterrupted(f"{ticket.request.adapter_id}: the sweep stopped ({err})"))
             if not isinstance(err, Exception):
                 raise
         finally:

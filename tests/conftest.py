@@ -1,10 +1,9 @@
-"""Shared fixtures: real data location, a real MLflow server on 127.0.0.1."""
+"""Shared fixtures: real data location, a real MLflow server and a PostgreSQL server on 127.0.0.1."""
 
 from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -13,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from .net import free_port
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -55,18 +56,12 @@ def data_dir() -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MlflowServer:
     """A real ``mlflow server`` (sqlite backend) that tests can stop and restart."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.port = _free_port()
+        self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
@@ -116,3 +111,18 @@ def mlflow_server(tmp_path_factory) -> MlflowServer:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A PostgreSQL server on 127.0.0.1 for this test session; ``postgres.new_database()`` gives a URL."""
+    import shutil
+    import tempfile
+
+    from .postgres import PostgresServer
+
+    base = Path(tempfile.mkdtemp(prefix="plora-pg-"))  # pytest's tmp dirs are closed to the postgres user
+    server = PostgresServer(base)
+    yield server
+    server.stop()
+    shutil.rmtree(base, ignore_errors=True)

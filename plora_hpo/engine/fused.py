@@ -12,8 +12,9 @@ replaces
 * each attention module's rotary embedding of q and k by one Triton kernel each way
   (:mod:`plora_hpo.engine.rotary`);
 
-and, for padding-free batches, lets attention run the variable-length flash kernel
-(:func:`varlen_attention`) over sequences concatenated back to back in one row.
+and lets attention run over sequences concatenated back to back in one row (the trainer's
+micro-batches): the variable-length flash kernel on the GPU, batched SDPA per run of equal-length
+sequences elsewhere (:func:`varlen_attention`).
 
 All replacements compute the same function as the originals up to rounding (one bf16 rounding
 instead of two); :func:`unfuse_elementwise` restores the originals.
@@ -22,6 +23,7 @@ instead of two); :func:`unfuse_elementwise` restores the originals.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -151,51 +153,79 @@ def unfuse_elementwise(model: nn.Module) -> None:
             del module._plora_fused
 
 
-# --- padding-free attention ----------------------------------------------------------------------
+# --- attention over a row of concatenated sequences ------------------------------------------------
 CU_SEQLENS_KWARG = "plora_cu_seqlens"
 MAX_SEQLEN_KWARG = "plora_max_seqlen"
+SEQ_RUNS_KWARG = "plora_seq_runs"
 
 
-def _varlen_reference(q, k, v, cu_seqlens, scale):  # (T, H, D) each; per-sequence causal SDPA
-    bounds = cu_seqlens.tolist()
+def _varlen_reference(q, k, v, runs, scale):  # (T, H, D) each; causal SDPA per run of equal-length sequences
     outs = []
-    for start, stop in itertools.pairwise(bounds):
-        qs, ks, vs = (t[start:stop].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    start = 0
+    for count, length in runs:
+        stop = start + count * length
+        qs, ks, vs = (t[start:stop].view(count, length, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-        outs.append(out[0].transpose(0, 1))
+        outs.append(out.transpose(1, 2).reshape(stop - start, *q.shape[1:]))
+        start = stop
     return torch.cat(outs)
 
 
+def _flash_varlen(q: torch.Tensor) -> bool:
+    """Whether the CUDA flash kernel's variable-length mode takes these inputs (fp16/bf16, sm80+)."""
+    return (
+        q.is_cuda
+        and q.dtype in (torch.float16, torch.bfloat16)
+        and torch.cuda.get_device_capability(q.device)[0] >= 8
+        and q.shape[-1] <= 256
+    )
+
+
 def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    runs: Sequence[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Causal attention within each sequence of a row of concatenated sequences: ``(T, H, D)`` in and out.
 
-    CUDA: the flash kernel's variable-length mode (GQA native, differentiable through aten's
-    registered backward). Elsewhere: a loop of per-sequence SDPA calls (the reference).
+    CUDA (fp16/bf16): the flash kernel's variable-length mode (GQA native, differentiable through
+    aten's registered backward). Elsewhere: one SDPA call per run of ``runs`` (``(count, length)``:
+    ``count`` consecutive sequences of ``length`` tokens, attended as a batch), or per sequence
+    of ``cu_seqlens`` without them.
+
+    A sequence's result depends on its own run alone, so the trainer, which gives every adapter
+    runs of its own, computes an adapter's attention the same whoever shares the row.
     """
-    if q.is_cuda:
+    if _flash_varlen(q):
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         out = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale
         )[0]
         return out
-    return _varlen_reference(q, k, v, cu_seqlens, scale)
+    if runs is None:
+        runs = [(1, b - a) for a, b in itertools.pairwise(cu_seqlens.tolist())]
+    return _varlen_reference(q, k, v, runs, scale)
 
 
 def _attention_with_varlen(original):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         cu_seqlens = kwargs.pop(CU_SEQLENS_KWARG, None)
         max_seqlen = kwargs.pop(MAX_SEQLEN_KWARG, None)
+        runs = kwargs.pop(SEQ_RUNS_KWARG, None)
         if cu_seqlens is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         if query.shape[0] != 1:
-            raise ValueError(
-                f"padding-free attention wants one row of concatenated sequences, got batch {query.shape[0]}"
-            )
+            raise ValueError(f"attention over concatenated sequences wants one row, got batch {query.shape[0]}")
+        window = kwargs.get("sliding_window")
+        if window is not None and int(max_seqlen) > window:  # attention here is plain causal, no window
+            raise ValueError(f"a sequence of {int(max_seqlen)} tokens exceeds the model's sliding window of {window}")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, D)
-        out = varlen_attention(q, k, v, cu_seqlens, int(max_seqlen), scale)
+        out = varlen_attention(q, k, v, cu_seqlens, int(max_seqlen), scale, runs)
         return out.unsqueeze(0), None
 
     attention._plora_varlen = True  # type: ignore[attr-defined]
@@ -206,8 +236,8 @@ def install_varlen_attention() -> None:
     """Let the ``sdpa`` attention of Hugging Face models accept rows of concatenated sequences.
 
     Idempotent. The wrapped function behaves exactly like the original unless a forward passes
-    ``plora_cu_seqlens`` / ``plora_max_seqlen`` keyword arguments (the trainer's padding-free
-    micro-batches), so every other caller is unaffected.
+    ``plora_cu_seqlens`` / ``plora_max_seqlen`` (and optionally ``plora_seq_runs``) keyword
+    arguments (the trainer's micro-batches), so every other caller is unaffected.
     """
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 

@@ -6,8 +6,20 @@ sum over adapters is backpropagated, so every adapter receives exactly the gradi
 get if it trained alone. Adapters may join (:meth:`PackedTrainer.add_job`) and leave
 (finished, pruned or failed) between steps without disturbing the others.
 
+On the CPU an adapter's losses and weights are bitwise those of training it alone, whoever
+its packmates (a sweep resumed with other packmates continues exactly): its sequences are
+padded to its own longest, attention runs within each sequence, one batched call per adapter
+(:mod:`plora_hpo.engine.batching`, ``isolate``), its LoRA products and their weight-gradient
+reductions run over its own tokens only, and micro-batching cuts its sequences into chunks on
+their own. The base model's matrix products run over every adapter's rows at once; on the CPU
+(MKL) a row of their result does not depend on the other rows. On the GPU, cuBLAS picks GEMM
+kernels by problem size and the LoRA kernels split their reductions by the whole pack's work,
+so results agree to rounding only whatever the layout; there padded rows keep pack-wide
+padding, ``(rows, T)`` with one batched attention call, which measured faster for packs of
+short sequences.
+
 Speed knobs (all keep that contract; see the constructor): flat adapter storage with one
-bf16 cast per step, micro-batching with length bucketing, padding-free (varlen) rows of concatenated sequences,
+bf16 cast per step, micro-batching with length bucketing, padding-free (varlen) sequences,
 activation checkpointing, fused RMSNorm/SwiGLU/rotary embedding, and a loss that keeps one chunk of logits alive.
 A step reads nothing back from the GPU until its losses and gradient norms, once, just before
 the update (an adapter whose loss or gradient is non-finite leaves the pack there, unupdated).
@@ -35,6 +47,7 @@ from plora_hpo.engine.batching import (
 from plora_hpo.engine.fused import (
     CU_SEQLENS_KWARG,
     MAX_SEQLEN_KWARG,
+    SEQ_RUNS_KWARG,
     fuse_elementwise,
     install_varlen_attention,
     unfuse_elementwise,
@@ -131,10 +144,15 @@ class PackedTrainer:
         micro_batch_tokens: split each step into forwards/backwards of at most this many tokens
             (padded tokens for ``row_layout="padded"``, real tokens for ``"varlen"``) and accumulate
             the gradients; the losses and gradients equal the unsplit step's. ``None``: one
-            forward per step. Padded micro-batches are bucketed by sequence length.
-        row_layout: ``"padded"`` (one right-padded row per sequence) or ``"varlen"`` (padding-free:
-            each micro-batch is one row of sequences concatenated back to back, attention kept
-            within sequences).
+            forward per step. Padded micro-batches are bucketed by sequence length; on the CPU
+            each adapter's sequences are cut into chunks on their own, at most one chunk of each
+            adapter per micro-batch.
+        row_layout: ``"padded"`` (right-padded sequences: on the GPU one row per sequence, padded
+            to the micro-batch's longest; on the CPU each sequence padded to the longest of its
+            own adapter's, all back to back in one row) or ``"varlen"`` (padding-free: each
+            micro-batch is one row of sequences concatenated back to back, attention kept within
+            sequences). One row of sequences needs the model loaded with
+            ``attn_implementation="sdpa"``.
         activation_checkpointing: recompute each decoder layer in the backward (keeps only layer
             inputs, at the cost of a second forward).
         fused_elementwise: fused RMSNorm, SwiGLU and rotary embedding (:mod:`plora_hpo.engine.fused`); ``None``
@@ -197,17 +215,19 @@ class PackedTrainer:
             fuse_elementwise(packed.model)
         else:
             unfuse_elementwise(packed.model)
-        self._varlen_mask: torch.Tensor | None = None
-        if row_layout == "varlen":
+        # CPU: each adapter's part of a micro-batch from its own sequences alone (bitwise packmate independence)
+        self.isolate = self.device.type == "cpu"
+        self._row_mask: torch.Tensor | None = None
+        if row_layout == "varlen" or self.isolate:  # micro-batches of one row of sequences
             implementation = getattr(packed.model.config, "_attn_implementation", None)
             if implementation != "sdpa":
                 raise ValueError(
-                    "row_layout='varlen' needs the model loaded with attn_implementation='sdpa', "
-                    f"not {implementation!r}"
+                    f"row_layout={row_layout!r} on {self.device.type} needs the model loaded with "
+                    f"attn_implementation='sdpa', not {implementation!r}"
                 )
             install_varlen_attention()
-            # placeholder, never read: the varlen attention ignores masks
-            self._varlen_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+            # placeholder, never read: attention over concatenated sequences ignores masks
+            self._row_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
     # --- membership -------------------------------------------------------------------
     def add_job(self, job: AdapterJob) -> None:
@@ -290,7 +310,12 @@ class PackedTrainer:
     def _build_micro_batches(self, ids: Sequence[str]) -> list[MicroBatch]:
         groups = [(a, self.streams[a].take(self.jobs[a].config.batch_size)) for a in ids]
         return plan_micro_batches(
-            groups, self.pad_id, self.device, row_layout=self.row_layout, max_tokens=self.micro_batch_tokens
+            groups,
+            self.pad_id,
+            self.device,
+            row_layout=self.row_layout,
+            max_tokens=self.micro_batch_tokens,
+            isolate=self.isolate,
         )
 
     def _prefetch(self) -> None:
@@ -368,17 +393,18 @@ class PackedTrainer:
     def _forward_backward(self, mb: MicroBatch, normalizers: torch.Tensor) -> torch.Tensor:
         """One micro-batch: per-adapter loss contributions (detached), gradients accumulated."""
         model = self.packed.model
-        # Padded rows are right-padded, so causal attention without a padding mask gives the real
-        # positions exactly what a masked one would (they never attend to later padding), and
-        # SDPA takes its fast is_causal path. Padding-free rows: the varlen kernel keeps attention
-        # within each sequence; a prepared 4-D mask makes Hugging Face skip building a T×T one.
+        # Padding is on the right, so causal attention never lets a real token see it: (rows, T)
+        # micro-batches need no padding mask, and SDPA takes its fast is_causal path. One row of
+        # sequences: attention is kept within each sequence; a prepared 4-D mask makes Hugging
+        # Face skip building a T×T one.
         kwargs = {}
         if mb.cu_seqlens is not None:
             kwargs = {
-                "attention_mask": self._varlen_mask,
+                "attention_mask": self._row_mask,
                 "position_ids": mb.position_ids,
                 CU_SEQLENS_KWARG: mb.cu_seqlens,
                 MAX_SEQLEN_KWARG: mb.max_seqlen,
+                SEQ_RUNS_KWARG: mb.seq_runs,
             }
         with self.packed.route(mb.groups, token_counts=mb.token_counts):
             hidden = model.base_model(input_ids=mb.input_ids, use_cache=False, **kwargs).last_hidden_state

@@ -40,11 +40,13 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def train(family: str, **knobs):
+def train(family: str, isolate: bool | None = None, **knobs):
     base = tiny_model(family)
     datasets = [random_examples(10, seed=300 + i, min_len=4, max_len=24) for i in range(len(CONFIGS))]
     packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
     trainer = PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu", **knobs)
+    if isolate is not None:
+        trainer.isolate = isolate  # the layout the trainer picks for the GPU, here on the CPU
     for i, (config, steps) in enumerate(zip(CONFIGS, STEPS)):
         trainer.add_job(AdapterJob(f"a{i}", config, datasets[i], steps))
     losses: dict[str, list[float]] = {f"a{i}": [] for i in range(len(CONFIGS))}
@@ -93,17 +95,31 @@ def test_knob_keeps_the_step(reference, family, knobs):
         assert result[2].padded_tokens == result[2].tokens  # no padding computed
 
 
-def test_bucketing_cuts_padding():
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("knobs", [{}, {"micro_batch_tokens": 40}], ids=["whole", "micro_batch_tokens=40"])
+def test_pack_wide_padding_keeps_the_step(reference, family, knobs):
+    """The GPU's micro-batches ((rows, T), padded to the longest of the whole pack, bucketed
+    across adapters) compute the step the CPU's per-adapter ones do."""
+    result = train(family, isolate=False, **knobs)
+    assert_same(reference[family], result)
+    if not knobs:
+        assert result[2].padded_tokens > reference[family][2].padded_tokens  # more padding: pack-wide
+    else:
+        assert result[2].micro_batches > result[2].steps  # the step really was split
+
+
+@pytest.mark.parametrize("isolate", [True, False])
+def test_bucketing_cuts_padding(isolate):
     rows = random_examples(24, seed=5, min_len=4, max_len=64)
     groups = [("a", rows[:12]), ("b", rows[12:])]
-    whole = plan_micro_batches(groups, 0, "cpu")
-    bucketed = plan_micro_batches(groups, 0, "cpu", max_tokens=256)
+    whole = plan_micro_batches(groups, 0, "cpu", isolate=isolate)
+    bucketed = plan_micro_batches(groups, 0, "cpu", max_tokens=256, isolate=isolate)
     assert len(whole) == 1 and len(bucketed) > 1
     assert sum(m.real_tokens for m in bucketed) == whole[0].real_tokens
     assert sum(m.padded_tokens for m in bucketed) < whole[0].padded_tokens
     for mb in bucketed:  # every micro-batch lists both adapters, in pack order, rows grouped
         assert [a for a, _ in mb.groups] == ["a", "b"]
-        assert mb.padded_tokens <= 256 or mb.input_ids.shape[0] == 1
+        assert mb.padded_tokens <= 256 or sum(n for _, n in mb.groups) == 1  # or one over-long sequence
     assert sum(m.label_counts[0] for m in bucketed) == whole[0].label_counts[0]
 
 

@@ -1,0 +1,152 @@
+"""Threads against worker processes: the same trials through the real ``plora-hpo sweep`` on this
+machine's GPUs, in one call.
+
+Modes, each a fresh run directory with the same sweep file (paper120's space, the built-in
+synthetic task, random weights at a real shape with the embedded model's tokenizer):
+
+* ``threads@1``: one GPU, the training loop in the sweep process (``--workers threads``);
+* ``processes@1``: one GPU, one worker process (``--workers processes``);
+* ``processes@N`` (N > 1 visible GPUs): one worker process per GPU, sharing the sweep's storage.
+
+It reports each mode's wall time, the per-trial final losses and scores next to ``threads@1``'s
+(same configs, keyed by params), and the scaling of ``processes@N`` over ``processes@1``. The JSON
+goes under ``$OUT``; a short table is printed last.
+
+Device (wheels from ``benchmarks/gpu_wheels.py`` in ``.whl``)::
+
+    python3 benchmarks/sweep_workers.py --tokenizer .whl/tokenizer
+
+CPU smoke run (a tiny random model, a few steps, two CPU "devices" for the N-worker mode)::
+
+    python benchmarks/sweep_workers.py --smoke --tokenizer .whl/tokenizer
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _bootstrap  # noqa: F401  (plora_hpo importable from a bare checkout)
+from sweep_e2e import CLI_SHIM, device_info, make_model_dir, read_trials, versions, write_sweep_file
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def devices(args) -> list[str]:
+    import torch
+
+    if args.smoke or not torch.cuda.is_available():
+        return ["cpu", "cpu"]
+    return [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def run_mode(args, sweep_file: Path, work: Path, name: str, device: list[str], workers: str) -> dict:
+    run_dir = work / name
+    argv = ["sweep", str(sweep_file), "--run-dir", str(run_dir), "--device", ",".join(device), "--workers", workers]
+    cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
+    log_path = args.out / f"{name.replace('@', '-')}.log"
+    print(f"[{name}] plora-hpo {' '.join(shlex.quote(a) for a in argv)}", flush=True)
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s)
+    wall = time.time() - start
+    print(f"[{name}] rc={proc.returncode} wall {wall:.1f}s", flush=True)
+    result = {"command": "plora-hpo " + " ".join(argv), "returncode": proc.returncode, "wall_s": wall}
+    if proc.returncode != 0:
+        result["log_tail"] = log_path.read_text()[-3000:]
+        return result
+    result["trials"] = read_trials(run_dir, sweep_file, start)
+    return result
+
+
+def compare(reference: dict, other: dict) -> dict:
+    """Per-trial agreement with the reference mode, trials matched by their params."""
+    key = lambda t: json.dumps(t["params"], sort_keys=True)  # noqa: E731
+    ref = {key(t): t for t in reference.get("trials", []) if t["state"] == "COMPLETE"}
+    rows = [(ref[key(t)], t) for t in other.get("trials", []) if t["state"] == "COMPLETE" and key(t) in ref]
+    if not rows:
+        return {"matched": 0}
+    rel = [abs(a["final_train_loss"] - b["final_train_loss"]) / abs(a["final_train_loss"]) for a, b in rows]
+    return {
+        "matched": len(rows),
+        "final_loss_max_rel_diff": max(rel),
+        "final_loss_median_rel_diff": sorted(rel)[len(rel) // 2],
+        "same_value": sum(a["value"] == b["value"] for a, b in rows),
+        "value_max_abs_diff": max(abs(a["value"] - b["value"]) for a, b in rows),
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--smoke", action="store_true", help="tiny random model, few steps and configs (CPU)")
+    p.add_argument("--tokenizer", type=Path, default=ROOT / ".whl" / "tokenizer")
+    p.add_argument("--shape", default="qwen2.5-1.5b")
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--configs", type=int, default=16)
+    p.add_argument("--pack-size", type=int, default=16)
+    p.add_argument("--eval-limit", type=int, default=32)
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per mode")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.steps, args.configs, args.pack_size, args.eval_limit = 4, 4, 2, 8
+    args.out = args.out or Path(os.environ.get("OUT") or ".")
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    gpus = devices(args)
+    work = Path(tempfile.mkdtemp(prefix="plora-workers-"))
+    device = "cuda" if gpus[0].startswith("cuda") else "cpu"
+    model = make_model_dir(args.shape, args.tokenizer, work / "model", device, args.smoke)
+    sweep_file = write_sweep_file(
+        work / "sweep.yaml", work / "model", "synthetic", args.steps, args.configs, args.pack_size,
+        {"limit": args.eval_limit, "batch_size": 64},
+    )  # fmt: skip
+    modes = {"threads@1": (gpus[:1], "threads"), "processes@1": (gpus[:1], "processes")}
+    if len(gpus) > 1:
+        modes[f"processes@{len(gpus)}"] = (gpus, "processes")
+    runs = {name: run_mode(args, sweep_file, work, name, dev, how) for name, (dev, how) in modes.items()}
+    result = {
+        "benchmark": "sweep_workers",
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python3 benchmarks/sweep_workers.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        **device_info(),
+        "gpus_visible": len(gpus) if device == "cuda" else 0,
+        "versions": versions(),
+        "model": model,
+        "workload": f"synthetic, {args.configs} paper120 configs x {args.steps} steps, pack {args.pack_size}",
+        "runs": runs,
+        "agreement_with_threads@1": {name: compare(runs["threads@1"], run) for name, run in runs.items()},
+    }
+    one, many = runs["processes@1"], runs.get(f"processes@{len(gpus)}")
+    if many and one.get("returncode") == 0 and many.get("returncode") == 0:
+        result["scaling"] = one["wall_s"] / many["wall_s"]
+    suffix = "smoke" if args.smoke else f"{device}x{len(gpus)}"
+    path = args.out / f"sweep-workers-{suffix}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    print(f"\n=== sweep_workers: {result['workload']}, {result.get('gpu') or 'cpu'} x{len(gpus)} ===")
+    print(f"{'mode':14s} {'rc':>3s} {'wall s':>8s} {'trials':>7s} {'loss max rel diff':>18s} {'same value':>11s}")
+    for name, run in runs.items():
+        agree = result["agreement_with_threads@1"][name]
+        done = sum(t["state"] == "COMPLETE" for t in run.get("trials", []))
+        diff = agree.get("final_loss_max_rel_diff")
+        diff_text = "-" if diff is None else f"{diff:.2e}"
+        same = f"{agree.get('same_value', 0)}/{agree['matched']}"
+        print(f"{name:14s} {run['returncode']:3d} {run['wall_s']:8.1f} {done:7d} {diff_text:>18s} {same:>11s}")
+    if "scaling" in result:
+        print(f"scaling processes@{len(gpus)} over processes@1: {result['scaling']:.2f}x")
+    print(f"json: {path}")
+
+
+if __name__ == "__main__":
+    main()

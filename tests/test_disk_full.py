@@ -1,0 +1,58 @@
+"""A sweep whose run directory fills up stops with one ``error:`` line (no tracebacks), and a rerun
+once there is room finishes every trial, resuming from the checkpoints that were written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from .test_sweep_e2e import small_sweep
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 30 MB tmpfs (needs root, as CI has); unmounted afterwards."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def sweep(sweep_file, run_dir) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "plora_hpo.cli", "sweep", str(sweep_file), "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+
+
+def test_a_full_disk_stops_with_one_line_and_a_rerun_with_room_finishes(tmp_path, small_disk):
+    sweep_file = small_sweep(tmp_path, name="full", budget={"steps": 6}, train={"checkpoint_every": 2})
+    run_dir = small_disk / "runs"
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (22 << 20))  # ~8 MB left: the stores fit, the first checkpoints do not
+
+    stopped = sweep(sweep_file, run_dir)
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left" in errors[0], stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr + stopped.stdout
+
+    filler.unlink()
+    resumed = sweep(sweep_file, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    study = optuna.load_study(study_name="full-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]  # each grid point once
