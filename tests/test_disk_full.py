@@ -18,10 +18,10 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 30 MB tmpfs (needs root, as CI has); unmounted afterwards."""
+    """A 256 MB tmpfs (needs root, as CI has); unmounted afterwards."""
     mount = tmp_path / "disk"
     mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=30m", "tmpfs", str(mount)], capture_output=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256m", "tmpfs", str(mount)], capture_output=True)
     if made.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {made.stderr.decode().strip()}")
     yield mount
@@ -42,7 +42,7 @@ def test_a_full_disk_stops_with_one_line_and_a_rerun_with_room_finishes(tmp_path
     sweep_file = small_sweep(tmp_path, name="full", budget={"steps": 6}, train={"checkpoint_every": 2})
     run_dir = small_disk / "runs"
     filler = small_disk / "filler"
-    filler.write_bytes(b"\0" * (22 << 20))  # ~8 MB left: the stores fit, the first checkpoints do not
+    filler.write_bytes(b"\0" * (248 << 20))  # ~8 MB left: the stores fit, the first checkpoints do not
 
     stopped = sweep(sweep_file, run_dir)
     assert stopped.returncode == 2, stopped.stderr[-3000:]
