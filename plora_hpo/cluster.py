@@ -98,6 +98,8 @@ class SweepWorker:
         self.progress = progress or PackProgress()
         self.label = f"{socket.gethostname()}-{os.getpid()}"
         self.study: optuna.Study | None = None
+        self.task = ""  # the study's task, and how many trials it runs (read by open())
+        self.n_trials = 0
         self.sweep: PackedSweep | None = None
         self.tracker: SweepTracker | None = None
 

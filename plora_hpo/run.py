@@ -254,7 +254,8 @@ class SweepRun:
 
     def optimize(self, n_trials: int | None = None) -> dict[str, optuna.Study]:
         """Run each task's study until it has ``n_trials`` finished trials (default: the sweep
-        file's ``n_trials``, else the grid size), retries of recovered trials first.
+        file's ``n_trials``, else the grid size): a grid is queued whole, and waiting trials (the
+        queued grid points, retries of recovered trials) train before new proposals.
 
         In this process, trials train concurrently (``n_jobs`` = :attr:`PackedSweep.concurrency`),
         so the admission policy packs them; with worker processes, each serves the study on its
