@@ -102,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 class Preemption:
     """SIGTERM (what SLURM and Kubernetes send) or Ctrl-C: stop the sweep in an orderly way.
 
@@ -115,8 +118,10 @@ class Preemption:
         self.stop: Callable[[], None] | None = None
 
     def install(self) -> Preemption:
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+        """Handle the signals (from the main thread only; :func:`main` restores the earlier handlers)."""
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, self._handle)
         return self
 
     def _handle(self, signum: int, _frame: object) -> None:
@@ -322,11 +327,14 @@ def main(argv: list[str] | None = None) -> int:
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         for handler in logging.getLogger("optuna").handlers:
-            handler.addFilter(StoppedTrialsFilter())
+            if not any(isinstance(f, StoppedTrialsFilter) for f in handler.filters):
+                handler.addFilter(StoppedTrialsFilter())
         # MLflow's SQL store logs each failed write with its traceback; the tracker reports what
         # did not arrive, and a full disk ends the sweep with one line
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     handlers = {"sweep": run_sweep, "worker": run_worker, "plan": run_plan, "results": run_results}
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if in_main_thread else {}
     try:
         return handlers[args.command](args)
     except PloraError as err:
@@ -347,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    finally:  # a caller of main() (a test, a notebook) gets its own signal handlers back
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 if __name__ == "__main__":
