@@ -118,7 +118,7 @@ def main(argv=None) -> None:
     result = {
         "benchmark": "sweep_workers",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python3 benchmarks/sweep_workers.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "command": shlex.join([sys.executable, *(["benchmarks/sweep_workers.py", *argv] if argv else sys.argv)]),
         **device_info(),
         "gpus_visible": len(gpus) if device == "cuda" else 0,
         "versions": versions(),

@@ -59,9 +59,8 @@ class CheckpointStore:
             os.replace(partial, final)
         except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
             partial.unlink(missing_ok=True)
-            if isinstance(err, OSError) and err.errno != errno.ENOSPC and disk_has_room(self.directory):
-                raise
-            if not isinstance(err, OSError) and disk_has_room(self.directory):
+            full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or not disk_has_room(self.directory)
+            if not full:
                 raise
             raise NoSpaceLeft(
                 f"no space left on the device of {self.directory} for a checkpoint ({first_line(err)}); free "

@@ -111,14 +111,14 @@ class SweepWorker:
         from the study's, or a run directory this machine cannot see.
         """
         storage = open_storage(self.storage_url, heartbeat=self.heartbeat)
-        names = [s.study_name for s in optuna.get_all_study_summaries(storage, include_best_trial=False)]
+        names = optuna.get_all_study_names(storage)
         if self.study_name not in names:
             raise PloraError(
                 f"study {self.study_name!r} does not exist in {self.storage_url} "
                 f"(it holds: {', '.join(names) or 'no studies'}); start the sweep first with "
                 f"`plora-hpo sweep FILE --storage {self.storage_url}` or pass one of those to --study"
             )
-        attrs = optuna.load_study(study_name=self.study_name, storage=storage).user_attrs
+        attrs = storage.get_study_user_attrs(storage.get_study_id_from_name(self.study_name))
         if CONFIG_ATTR not in attrs or N_TRIALS_ATTR not in attrs:
             raise PloraError(
                 f"study {self.study_name!r} was not started by `plora-hpo sweep` (it has no sweep settings); "
@@ -135,7 +135,7 @@ class SweepWorker:
                 "and adapters live there) and pass --run-dir with its path here"
             )
         self.run_dir = run_dir
-        self.study = create_study(config, task, self.storage_url, heartbeat=self.heartbeat)
+        self.study = create_study(config, task, storage)
         self.tracker = SweepTracker(self.mlflow_uri or attrs["mlflow_tracking_uri"], config.name, artifact_root=run_dir)
         self.tracker.attach(attrs["mlflow_parent_run_id"])
         self.progress.note(f"{self.label}: serving study {self.study_name} from {self.storage_url}")

@@ -26,7 +26,14 @@ from plora_hpo.config import SweepConfig
 from plora_hpo.errors import ConfigError, first_line
 from plora_hpo.grid import OrderedGridSampler
 from plora_hpo.space import SearchSpace
-from plora_hpo.storage import HEARTBEAT_SECONDS, TrialBudgetReached, fail_stale_trials, open_storage, requeue
+from plora_hpo.storage import (
+    HEARTBEAT_SECONDS,
+    SweepStorage,
+    TrialBudgetReached,
+    fail_stale_trials,
+    open_storage,
+    requeue,
+)
 from plora_hpo.sweep import PackedSweep
 from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest
 
@@ -69,11 +76,15 @@ def study_name(config: SweepConfig, task: str) -> str:
     return f"{config.name}-{task}"
 
 
-def create_study(config: SweepConfig, task: str, storage: str, *, heartbeat: float = HEARTBEAT_SECONDS) -> optuna.Study:
-    """Create (or reopen, to resume or join) the task's study in ``storage``.
+def create_study(
+    config: SweepConfig, task: str, storage: str | SweepStorage, *, heartbeat: float = HEARTBEAT_SECONDS
+) -> optuna.Study:
+    """Create (or reopen, to resume or join) the task's study in ``storage`` (a URL, or a storage
+    :func:`~plora_hpo.storage.open_storage` already opened).
 
-    The storage records a heartbeat of every trial in training every ``heartbeat`` seconds, so
-    processes sharing it re-run the trials of one that died (:mod:`plora_hpo.storage`).
+    The storage records a heartbeat of every trial in training every ``heartbeat`` seconds (for a
+    URL; an opened storage keeps its own), so processes sharing it re-run the trials of one that
+    died (:mod:`plora_hpo.storage`).
     The reference trial (:data:`REFERENCE_PARAMS`) is not enqueued: grids that contain it (demo,
     paper120) train it anyway; the summary compares against it.
 
@@ -84,7 +95,7 @@ def create_study(config: SweepConfig, task: str, storage: str, *, heartbeat: flo
     space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
     study = optuna.create_study(
         study_name=study_name(config, task),
-        storage=open_storage(storage, heartbeat=heartbeat),
+        storage=open_storage(storage, heartbeat=heartbeat) if isinstance(storage, str) else storage,
         sampler=make_sampler(config, space),
         pruner=make_pruner(config),
         direction="maximize",
