@@ -18,7 +18,7 @@ import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -122,6 +122,11 @@ class PlannerAdmission(AdmissionPolicy):
     MILPs. Members already training stay; their adapter memory comes off the budget and their
     count off the slots. Within a type, earlier proposals go first.
 
+    On a device with no idle peers, the trials the ILP leaves out join the starting pack while
+    they fit (slots and memory): the ILP ranks packs by tokens per second, but a trial deferred
+    to a later wave pays the same per-step fixed cost again there, and when the deferred trials
+    run last they run nearly alone — one fuller pack ends the sweep sooner.
+
     Args:
         solver: ``"auto"`` (gurobipy, HiGHS beyond its size limit or without it), ``"gurobi"``
             or ``"highs"``.
@@ -176,6 +181,10 @@ class PlannerAdmission(AdmissionPolicy):
             chosen.pop()  # the ILP's linear memory views are bounds; the cost model decides
         if not chosen and not room.members:
             chosen = [max(range(len(waiting)), key=lambda i: (waiting[i].steps, -i))]
+        elif room.idle_peers == 0:
+            packs = [chosen]
+            _spread_deferred(packs, waiting, replace(room, free_slots=slots))
+            chosen = packs[0]
         self.last = Decision(_solver_label(search), time.perf_counter() - started)
         return chosen
 

@@ -33,11 +33,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from plora_hpo.admission import AdmissionPolicy, Candidate, Room
+from plora_hpo.checkpoint_writer import CheckpointWriter
 from plora_hpo.checkpoints import CheckpointPacer, NoSpaceLeft
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import export_peft_adapter
-from plora_hpo.errors import CheckpointError
+from plora_hpo.errors import CheckpointError, first_line
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps
 from plora_hpo.timeline import phase
@@ -153,6 +154,7 @@ class DeviceWorker:
             load_calibration(shape_name, self.gpu.name) if shape_name else None,
         )
         self.pacer = CheckpointPacer(config.train.checkpoint_overhead)
+        self.writer = CheckpointWriter(f"plora-{self.name}")
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         self.parked: deque[tuple[TrialTicket, AdapterState | None]] = deque()  # waiting to (re)join
         self._thread = threading.Thread(target=self._serve, name=f"plora-{self.name}", daemon=True)
@@ -236,15 +238,22 @@ class DeviceWorker:
         )
 
     def save_checkpoint(self, request: TrialRequest, state: AdapterState, extra: dict[str, str]) -> None:
-        """Write one adapter's resumable state (``extra``: its MLflow run and adapter id)."""
-        started = time.monotonic()
+        """Queue one adapter's resumable state for writing (``extra``: its MLflow run and adapter id)."""
         with phase("checkpoint"):
-            self.checkpoints(request.task).save(request.lineage, state, extra)
-        self.pacer.record(state.parameter_count(), time.monotonic() - started)
+            self.writer.save(self.checkpoints(request.task), request.lineage, state, extra)
 
     def _serve(self) -> None:
         if self.device.type == "cuda":  # Triton launches on the thread's current device
             torch.cuda.set_device(self.device)
+        try:
+            self._serve_packs()
+        finally:
+            try:
+                self.writer.flush()
+            except Exception as err:  # the lineage keeps its previous checkpoint
+                log.warning("%s: the last checkpoint writes failed: %s", self.name, first_line(err))
+
+    def _serve_packs(self) -> None:
         while True:
             if not self.parked:
                 try:
@@ -264,12 +273,15 @@ class DeviceWorker:
 
     def _interrupt_parked(self) -> None:
         """The sweep is closing: trials waiting for room keep their state for a rerun."""
-        while self.parked:
-            ticket, state = self.parked.popleft()
+        parked = list(self.parked)
+        self.parked.clear()
+        for ticket, state in parked:
             request = ticket.request
             if state is not None:
                 self.save_checkpoint(request, state, {"run_id": request.run_id or "", "adapter_id": request.adapter_id})
-            ticket.fail(TrialInterrupted(f"{request.adapter_id}: the sweep stopped; a rerun resumes it"))
+        self.writer.flush()  # on disk before anyone may take the trials again
+        for ticket, _ in parked:
+            ticket.fail(TrialInterrupted(f"{ticket.request.adapter_id}: the sweep stopped; a rerun resumes it"))
 
 
 class _Shutdown(Exception):
@@ -377,6 +389,7 @@ class _Pack:
             saved_run_id, from_disk = None, state is None
             if state is None:
                 with phase("checkpoint"):
+                    self.worker.writer.flush()  # a save of this lineage may still be queued
                     found = store.load(request.lineage)
                 if found is not None:
                     state, extra = found
@@ -489,13 +502,15 @@ class _Pack:
                 self.admit()
                 progress.pack_update(self.pack_id, self.packed_steps, self._furthest_step(), len(self.slots))
         except _Shutdown:  # the sweep is closing mid-pack (interrupted): keep what trained so far
-            for adapter_id, slot in list(self.slots.items()):
+            for adapter_id, slot in self.slots.items():
                 if adapter_id in self.trainer.jobs:
                     self.worker.save_checkpoint(
                         slot.request,
                         capture(self.trainer, adapter_id, slot.curve),
                         {"run_id": slot.run_id, "adapter_id": adapter_id},
                     )
+            self.worker.writer.flush()  # on disk before anyone may take the trials again
+            for adapter_id, slot in list(self.slots.items()):
                 self.reporter.trial_interrupted(slot)
                 slot.ticket.fail(TrialInterrupted(f"{adapter_id}: the sweep stopped; a rerun resumes it"))
                 self._leave(adapter_id)
@@ -585,11 +600,11 @@ class _Pack:
             size = sum(p.numel() for p in self.worker.packed.parameters_of(adapter_id))
             if train.checkpoint_every is not None or self.worker.pacer.affordable(size):
                 slot = self.slots[adapter_id]
-                self.worker.save_checkpoint(
-                    slot.request,
-                    capture(self.trainer, adapter_id, slot.curve),
-                    {"run_id": slot.run_id, "adapter_id": adapter_id},
-                )
+                started = time.monotonic()
+                with phase("checkpoint"):
+                    state = capture(self.trainer, adapter_id, slot.curve)
+                self.worker.save_checkpoint(slot.request, state, {"run_id": slot.run_id, "adapter_id": adapter_id})
+                self.worker.pacer.record(size, time.monotonic() - started)
 
     def _evaluate(self, task: str, adapter_ids: list[str], limit: int | None) -> dict[str, dict[str, float]]:
         with phase("evaluate"):
@@ -669,7 +684,7 @@ class _Pack:
 
     def _finish(self, slot: _Slot, outcome: TrialOutcome) -> None:
         with phase("checkpoint"):
-            self.worker.checkpoints(slot.request.task).delete(slot.request.lineage)
+            self.worker.writer.delete(self.worker.checkpoints(slot.request.task), slot.request.lineage)
         with phase("leave"):
             self._leave(slot.request.adapter_id)
         with phase("optuna"):

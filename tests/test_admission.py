@@ -13,6 +13,7 @@ from plora_hpo.planner import CostModel, GpuSpec, Workload, resolve_model
 from plora_hpo.trials import PoolClosed, TrialPool, TrialRequest, TrialTicket
 
 GIB = 2**30
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +107,25 @@ def test_planner_says_which_solver_ran_and_plans_120_trials_within_a_second(cost
     assert time.perf_counter() - started < 1.0
     assert 0 < len(chosen) <= 32
     assert policy.last is not None and ("HiGHS" in policy.last.solver or "gurobi" in policy.last.solver.lower())
+
+
+def test_on_one_device_the_trials_the_ilp_defers_join_the_pack_while_they_fit():
+    """Short sequences: the ILP's most tokens-per-second pack leaves the small-batch trials out;
+    a later wave would pay the per-step fixed cost again for them, so they join now."""
+    _, shape = resolve_model("qwen2.5-1.5b")
+    short = CostModel(Workload(shape, 128, TARGETS), GpuSpec("NVIDIA H200", 141.0))
+    configs = [
+        AdapterConfig(r, m * r, lr, b, seed=i)
+        for i, (r, m, lr, b) in enumerate(
+            (r, m, lr, b) for r in (8, 16) for m in (0.25, 1, 4) for lr in (2e-5, 1e-4, 2e-4, 4e-4) for b in (2, 8)
+        )
+    ][:32]
+    waiting = [Candidate(c, 150) for c in configs]
+    assert short.peak_memory(configs) < 0.5 * 141.0 * GIB  # everything fits with room to spare
+    chosen = PlannerAdmission().select(waiting, room(short, slots=32))
+    assert chosen == list(range(32))
+    # with fewer slots than trials, the slots bound the pack
+    assert len(PlannerAdmission().select(waiting, room(short, slots=20))) == 20
 
 
 # --- the pool -----------------------------------------------------------------------------------

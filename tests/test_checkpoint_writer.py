@@ -1,0 +1,90 @@
+"""CheckpointWriter: checkpoint saves and deletes off the training loop, in order, with failures raised back."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from plora_hpo.adapter import AdapterConfig
+from plora_hpo.checkpoint_writer import CheckpointWriter, state_bytes
+from plora_hpo.checkpoints import CheckpointStore, NoSpaceLeft
+from plora_hpo.engine.adapter_state import AdapterState
+
+
+def state(steps: int, n: int = 64) -> AdapterState:
+    weight = torch.full((n,), float(steps))
+    return AdapterState(
+        config=AdapterConfig(8, 8.0, 1e-4, 2),
+        steps_done=steps,
+        weights={"w": weight},
+        optimizer_state=[{"exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n)}],
+        stream_position=(0, steps),
+    )
+
+
+class GatedStore(CheckpointStore):
+    """A real store whose saves wait for a gate, and fail (as a full disk) for chosen lineages."""
+
+    def __init__(self, directory, failing=()):
+        super().__init__(directory)
+        self.gate = threading.Event()
+        self.failing = set(failing)
+
+    def save(self, lineage, state, extra=None):
+        self.gate.wait(10)
+        if lineage in self.failing:
+            raise NoSpaceLeft(f"no space left for t{lineage}")
+        return super().save(lineage, state, extra)
+
+
+def test_saves_and_deletes_reach_disk_in_the_order_asked(tmp_path):
+    store = GatedStore(tmp_path)
+    writer = CheckpointWriter("test")
+    writer.save(store, 1, state(5), {"run_id": "a"})
+    writer.save(store, 1, state(9), {"run_id": "a"})
+    writer.delete(store, 2)
+    writer.save(store, 2, state(3), {})
+    writer.delete(store, 1)  # the trial finished: its queued saves must not resurrect the file
+    assert not any(tmp_path.iterdir())  # nothing written while the writer waits
+    store.gate.set()
+    writer.flush()
+    assert not store.path(1).exists()
+    loaded, _ = store.load(2)
+    assert loaded.steps_done == 3 and torch.equal(loaded.weights["w"], torch.full((64,), 3.0))
+
+
+def test_a_failed_write_is_raised_at_the_next_call_and_drops_the_saves_queued_behind_it(tmp_path):
+    store = GatedStore(tmp_path, failing={1})
+    CheckpointStore(tmp_path).save(2, state(1))  # an earlier checkpoint of lineage 2
+    writer = CheckpointWriter("test")
+    writer.save(store, 1, state(4), {})
+    writer.save(store, 2, state(7), {})  # queued behind the failing one: dropped
+    writer.delete(store, 3)
+    store.gate.set()
+    with pytest.raises(NoSpaceLeft, match="t1"):
+        writer.flush()
+    assert store.load(2)[0].steps_done == 1  # the previous checkpoint stays
+    writer.flush()  # raised once; the writer serves on
+    writer.save(store, 2, state(8), {})
+    writer.flush()
+    assert store.load(2)[0].steps_done == 8
+
+
+def test_a_save_waits_while_the_queue_holds_too_many_bytes(tmp_path):
+    store = GatedStore(tmp_path)
+    one = state(1, n=1024)
+    writer = CheckpointWriter("test", max_pending_bytes=2 * state_bytes(one) + 1)
+    assert state_bytes(one) == 3 * 1024 * 4
+    writer.save(store, 1, one, {})  # the writer takes it and waits at the gate
+    writer.save(store, 2, state(2, n=1024), {})  # queued: one state pending beside the one being written
+    third = threading.Thread(target=writer.save, args=(store, 3, state(3, n=1024), {}))
+    third.start()
+    third.join(0.5)
+    assert third.is_alive()  # two states pending: the third waits for room
+    store.gate.set()
+    third.join(10)
+    assert not third.is_alive()
+    writer.flush()
+    assert [store.load(i)[0].steps_done for i in (1, 2, 3)] == [1, 2, 3]
