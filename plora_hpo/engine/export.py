@@ -54,7 +54,9 @@ def export_peft_adapter(
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     config = peft_adapter_config(packed, adapter_id, base_model_name)
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if directory.exists():
+    if directory.is_symlink():  # the earlier export's link to where the tracker keeps it
+        directory.unlink()
+    elif directory.exists():
         shutil.rmtree(directory)
     tmp.rename(directory)
     return directory
