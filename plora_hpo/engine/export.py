@@ -25,7 +25,7 @@ def peft_adapter_config(packed: PackedLoraModel, adapter_id: str, base_model_nam
         "r": config.rank,
         "lora_alpha": config.alpha,
         "use_rslora": config.use_rslora,
-        "lora_dropout": 0.0,
+        "lora_dropout": config.lora_dropout,
         "bias": "none",
         "target_modules": sorted(packed.target_modules),
         "fan_in_fan_out": False,
