@@ -407,7 +407,7 @@ class PackedTrainer:
         return keys
 
     def _forward_backward(
-        self, mb: MicroBatch, normalizers: torch.Tensor, dropout_keys: list[int] | None
+        self, mb: MicroBatch, normalizers: torch.Tensor, dropout_keys: list[int] | None = None
     ) -> torch.Tensor:
         """One micro-batch: per-adapter loss contributions (detached), gradients accumulated."""
         model = self.packed.model
