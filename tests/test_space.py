@@ -102,6 +102,7 @@ def test_lora_dropout_is_searched_when_the_sweep_file_gives_it(tmp_path):
     )
 
     data["space"]["lora_dropout"] = {"low": 0.0, "high": 0.3}
+    data["sampler"] = "tpe"  # a range needs a sampler that is not the grid
     path.write_text(yaml.safe_dump(data))
     ranged = SearchSpace(load_sweep(path).space)
     assert all(0.0 <= c.lora_dropout <= 0.3 for c in ranged.enumerate_configs(n_samples=20))
