@@ -17,6 +17,8 @@ class AdapterConfig:
         batch_size: sequences of this adapter in every packed step.
         seed: seeds this adapter's A initialisation and its data order.
         use_rslora: rank-stabilised scaling, as PEFT's ``use_rslora``.
+        lora_dropout: dropout probability on the adapter's input while it trains, as PEFT's
+            ``lora_dropout`` (the base layer sees the input undropped; evaluation drops nothing).
     """
 
     rank: int
@@ -25,6 +27,7 @@ class AdapterConfig:
     batch_size: int
     seed: int = 0
     use_rslora: bool = False
+    lora_dropout: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("rank", "alpha", "learning_rate", "batch_size"):
@@ -33,6 +36,8 @@ class AdapterConfig:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
         if int(self.rank) != self.rank or int(self.batch_size) != self.batch_size:
             raise ValueError(f"rank and batch_size must be integers, got {self.rank!r}, {self.batch_size!r}")
+        if not (isinstance(self.lora_dropout, (int, float)) and 0 <= self.lora_dropout < 1):
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
 
     @property
     def scaling(self) -> float:
@@ -43,5 +48,6 @@ class AdapterConfig:
         return asdict(self)
 
     def label(self) -> str:
-        """Short human-readable id, e.g. ``r16-a16-lr2e-04-b2``."""
-        return f"r{self.rank}-a{self.alpha:g}-lr{self.learning_rate:.0e}-b{self.batch_size}"
+        """Short human-readable id, e.g. ``r16-a16-lr2e-04-b2`` (``…-b2-d0.1`` with dropout)."""
+        dropout = f"-d{self.lora_dropout:g}" if self.lora_dropout else ""
+        return f"r{self.rank}-a{self.alpha:g}-lr{self.learning_rate:.0e}-b{self.batch_size}{dropout}"

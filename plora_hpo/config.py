@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import types
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -27,12 +27,18 @@ class _Strict(BaseModel):
 
 
 class ParamSpec(_Strict):
-    """One hyperparameter: either ``choices`` (categorical) or a ``low``..``high`` range."""
+    """One hyperparameter: either ``choices`` (categorical) or a ``low``..``high`` range of positive values."""
 
     choices: list[float] | None = Field(None, description="Categorical values (grid-searchable).")
     low: float | None = Field(None, gt=0, description="Lower bound of a range.")
     high: float | None = Field(None, gt=0, description="Upper bound of a range.")
     log: bool = Field(False, description="Sample the range log-uniformly.")
+
+    _RULE: ClassVar[str] = "> 0"  # what every value must be, as errors say it
+
+    @staticmethod
+    def _allowed(value: float) -> bool:
+        return value > 0
 
     @model_validator(mode="after")
     def _one_kind(self) -> ParamSpec:
@@ -41,8 +47,8 @@ class ParamSpec(_Strict):
         if self.choices is not None:
             if not self.choices:
                 raise ValueError("'choices' is empty")
-            if any(c <= 0 for c in self.choices):
-                raise ValueError(f"every choice must be > 0, got {self.choices}")
+            if not all(self._allowed(c) for c in self.choices):
+                raise ValueError(f"every choice must be {self._RULE}, got {self.choices}")
             for value in dict.fromkeys(self.choices):  # a repeated grid value would train the same trials twice
                 count = self.choices.count(value)
                 if count > 1:
@@ -58,13 +64,41 @@ class ParamSpec(_Strict):
         return self.choices is not None
 
 
+class RateSpec(ParamSpec):
+    """A probability hyperparameter: values in [0, 1), so 0 (off) is a valid choice or range end."""
+
+    low: float | None = Field(None, ge=0, lt=1, description="Lower bound of a range.")
+    high: float | None = Field(None, ge=0, lt=1, description="Upper bound of a range.")
+
+    _RULE: ClassVar[str] = "in [0, 1)"
+
+    @staticmethod
+    def _allowed(value: float) -> bool:
+        return 0 <= value < 1
+
+    @model_validator(mode="after")
+    def _log_above_zero(self) -> RateSpec:
+        if self.log and self.low == 0:
+            raise ValueError("a log range needs low > 0")
+        return self
+
+
 class SpaceSpec(_Strict):
-    """The four LoRA hyperparameters. Alpha is ``alpha_multiplier × rank``, so one grid spans r/4 … 4r at every rank."""
+    """The LoRA hyperparameters. Alpha is ``alpha_multiplier × rank``, so one grid spans r/4 … 4r at every rank."""
 
     rank: ParamSpec = Field(description="LoRA rank r; ranges are sampled as integers.")
     alpha_multiplier: ParamSpec = Field(description="alpha = multiplier × rank (r/4 → 0.25, 4r → 4).")
     learning_rate: ParamSpec = Field(description="Peak AdamW learning rate.")
     batch_size: ParamSpec = Field(description="Sequences per step for this adapter; ranges are integers.")
+    lora_dropout: RateSpec | None = Field(
+        None,
+        description="Dropout p on the adapter's input, as PEFT's lora_dropout (the base layer sees it undropped); "
+        "omitted: 0. One choice sets it for every trial.",
+    )
+
+    def params(self) -> list[tuple[str, ParamSpec]]:
+        """The searched hyperparameters, in sweep-file order (optional ones only when given)."""
+        return [(name, spec) for name, spec in self if spec is not None]
 
     @model_validator(mode="after")
     def _integers(self) -> SpaceSpec:
@@ -232,7 +266,7 @@ class SweepConfig(_Strict):
     @model_validator(mode="after")
     def _grid_is_categorical(self) -> SweepConfig:
         if self.sampler == "grid":
-            ranged = [n for n, s in self.space if not s.is_categorical]
+            ranged = [n for n, s in self.space.params() if not s.is_categorical]
             if ranged:
                 raise ValueError(f"sampler 'grid' needs 'choices' for every parameter; {ranged[0]} is a range")
         return self

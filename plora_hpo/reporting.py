@@ -72,8 +72,12 @@ class TrialReporter(Protocol):
 
     def trial_completed(
         self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats
-    ) -> None:
-        """Curve, intermediate scores, final metrics and the adapter artifact; the run ends FINISHED."""
+    ) -> Path:
+        """Curve, intermediate scores, final metrics and the adapter artifact; the run ends FINISHED.
+
+        Returns where the exported ``adapter_dir`` is kept from now on (the tracker may move it
+        into its artifact store, so that it is stored once).
+        """
         ...
 
     def trial_progress(self, record: TrialRecord) -> None:
@@ -118,8 +122,8 @@ class NullReporter(_SegmentLog):
 
     def trial_completed(
         self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats
-    ) -> None:
-        pass
+    ) -> Path:
+        return adapter_dir
 
     def trial_progress(self, record: TrialRecord) -> None:
         pass
@@ -178,7 +182,7 @@ class MlflowReporter(_SegmentLog):
 
     def trial_completed(
         self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats
-    ) -> None:
+    ) -> Path:
         metric = _primary(record.request.task)
         rows = curve_rows(record.curve) + intermediate_rows(record.intermediate, metric)
         rows += [(metric_key(k), v, 0) for k, v in metrics.items()]
@@ -186,8 +190,9 @@ class MlflowReporter(_SegmentLog):
         rows.append(("pack_peak_memory_gib", stats.peak_memory_bytes / 2**30, 0))
         self._log(record.run_id, rows)
         self.tracker.set_tags(record.run_id, _end_tags(record, "COMPLETE"))
-        self.tracker.log_adapter(record.run_id, adapter_dir)
+        kept = self.tracker.log_adapter(record.run_id, adapter_dir)
         self.tracker.end_trial(record.run_id)
+        return kept
 
     def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None:
         self._log(record.run_id, curve_rows(record.curve) + intermediate_rows(record.intermediate, metric))

@@ -1,7 +1,8 @@
 """Search space → Optuna distributions, grids and :class:`AdapterConfig` objects.
 
 Optuna parameter names are the sweep file's keys (``rank``, ``alpha_multiplier``,
-``learning_rate``, ``batch_size``), so studies stay readable in optuna-dashboard.
+``learning_rate``, ``batch_size`` and, when the file gives it, ``lora_dropout``), so studies stay
+readable in optuna-dashboard.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ class SearchSpace:
         self.use_rslora = use_rslora
 
     def _params(self) -> list[tuple[str, ParamSpec]]:
-        return list(self.spec)
+        return self.spec.params()
 
     @property
     def is_grid(self) -> bool:
@@ -89,6 +90,7 @@ class SearchSpace:
             batch_size=int(params["batch_size"]),
             seed=seed,
             use_rslora=self.use_rslora,
+            lora_dropout=float(params.get("lora_dropout", 0.0)),
         )
 
     def enumerate_configs(self, n_samples: int | None = None) -> list[AdapterConfig]:

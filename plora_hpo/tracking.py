@@ -8,8 +8,8 @@ the fluent API's "active run" is thread-global.
 Training never waits for an HTTP tracking server: while it is away, calls are queued and delivered
 in order once it is back (``_mlflow_queue``); a run created meanwhile gets a placeholder id that
 :meth:`SweepTracker.resolve` maps to the server's id once delivered (``_mlflow_ids``). HTTP calls are
-bounded (``MLFLOW_HTTP_REQUEST_*`` defaults below: one retry, 15 s timeout), so discovering an outage
-costs seconds, not MLflow's default ~4 minutes of retries. If the server is still away when the
+bounded for this tracker's client only (``_mlflow_http``: one retry, 15 s timeout), so discovering an
+outage costs seconds, not MLflow's default ~4 minutes of retries. If the server is still away when the
 sweep ends, every run with undelivered calls (and the parent run) is written complete to a local
 store, ``<fallback_dir>/mlflow.db`` with artifacts in ``<fallback_dir>/mlartifacts``
 (``_mlflow_journal``); :attr:`SweepTracker.fallback_uri` and :meth:`SweepTracker.delivery_note`
@@ -24,25 +24,18 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import urllib.request
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-
-os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-# MLflow retries an HTTP call 7 times with exponential backoff (minutes) by default; the delivery queue
-# retries instead, so a dead server costs one short attempt. Users can still override these.
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_JITTER", "0.5")
-os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
 
 from mlflow.entities import Metric, Param, RunTag, ViewType
 from mlflow.tracking import MlflowClient
 from mlflow.utils.mlflow_tags import MLFLOW_PARENT_RUN_ID
 from mlflow.utils.time import get_current_time_millis
 
+from plora_hpo._mlflow_adapter_store import keep_in_store, local_artifact_dir
+from plora_hpo._mlflow_http import BoundedClient
 from plora_hpo._mlflow_ids import LOCAL_ID_TAG, PLACEHOLDER_PREFIX, RunIds, find_by_local_id, new_placeholder
 from plora_hpo._mlflow_journal import Journal
 from plora_hpo._mlflow_ops import Op, replay
@@ -117,8 +110,11 @@ class SweepTracker:
 
     @functools.cached_property
     def client(self) -> MlflowClient:
-        """Created on first use: a sqlite store is only written once the sweep is known to be valid."""
-        return MlflowClient(tracking_uri=self.tracking_uri)
+        """Created on first use: a sqlite store is only written once the sweep is known to be valid.
+
+        Its HTTP requests give up after one short retry; the delivery queue retries instead.
+        """
+        return BoundedClient(tracking_uri=self.tracking_uri)
 
     # --- reachability -----------------------------------------------------------------------
     def check_reachable(self) -> None:
@@ -250,9 +246,30 @@ class SweepTracker:
         if items:  # an empty call would still wait in the queue during an outage
             self._queue.submit(Op("batch", run_id, {kind: items}))
 
-    def log_adapter(self, run_id: str, adapter_dir: Path) -> None:
-        """The PEFT adapter directory becomes the run's ``adapter/`` artifact."""
-        self.log_folder(run_id, adapter_dir, "adapter")
+    def log_adapter(self, run_id: str, adapter_dir: Path) -> Path:
+        """The PEFT adapter folder becomes the run's ``adapter/`` artifact; returns where the adapter is kept.
+
+        The adapter is stored once. A run whose artifact store is a folder on this machine (the
+        default sqlite store's ``mlartifacts``) gets the folder itself, and ``adapter_dir`` becomes a
+        link to it (``_mlflow_adapter_store``); the returned path is the artifact folder. A remote
+        store gets an upload and this machine keeps ``adapter_dir``, the path returned.
+        """
+        stored = self._local_artifact_dir(run_id)
+        if stored is None:
+            self.log_folder(run_id, adapter_dir, "adapter")
+            return adapter_dir
+        return keep_in_store(adapter_dir, stored / "adapter")
+
+    def _local_artifact_dir(self, run_id: str) -> Path | None:
+        """The run's artifact folder if it is on this machine; None if remote or the run is not on the server yet."""
+        run_id = self.resolve(run_id)
+        if run_id.startswith(PLACEHOLDER_PREFIX) or self.in_outage:
+            return None
+        try:
+            return local_artifact_dir(self.client.get_run(run_id).info.artifact_uri)
+        except Exception as err:  # the server went away: the upload is queued instead
+            log.warning("cannot read the artifact location of MLflow run %s (%s)", run_id, type(err).__name__)
+            return None
 
     def log_folder(self, run_id: str, folder: Path, artifact_path: str) -> None:
         """Every file of ``folder`` becomes an artifact of the run under ``artifact_path``.

@@ -651,7 +651,7 @@ class _Pack:
                         self.worker.packed, adapter_id, self.worker.adapter_root / adapter_id
                     )
                 with phase("mlflow"):
-                    self.reporter.trial_completed(
+                    adapter_dir = self.reporter.trial_completed(
                         slot, self.pack_id, metrics[adapter_id], adapter_dir, self.trainer.stats
                     )
                 outcome = self._outcome(

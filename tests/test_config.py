@@ -64,6 +64,12 @@ def _base() -> dict:
             "space.alpha_multiplier: choice 1 appears twice",
         ),
         (lambda d: d.pop("space"), "space: required key is missing"),
+        (
+            lambda d: d["space"].update(lora_dropout={"choices": [0.0, 1.0]}),
+            "space.lora_dropout: every choice must be in [0, 1)",
+        ),
+        (lambda d: d["space"].update(lora_dropout={"low": 0.0, "high": 1.5}), "space.lora_dropout.high"),
+        (lambda d: d["space"].update(lora_dropout={"low": 0.0, "high": 0.2, "log": True}), "needs low > 0"),
         (lambda d: d.update(seq_len="long"), "seq_len"),
         (
             lambda d: d.update(sampler="grid", space={**d["space"], "learning_rate": {"low": 1e-5, "high": 1e-3}}),

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+import yaml
 
 from plora_hpo.config import load_sweep
 from plora_hpo.space import SearchSpace
@@ -82,3 +83,29 @@ def test_seeds_belong_to_the_config_not_the_trial_number():
 
     study.optimize(objective, n_trials=len(configs))
     assert seen == [True] * len(configs)
+
+
+def test_lora_dropout_is_searched_when_the_sweep_file_gives_it(tmp_path):
+    data = yaml.safe_load((SPACES / "demo.yaml").read_text())
+    data["space"]["lora_dropout"] = {"choices": [0.0, 0.1]}
+    path = tmp_path / "dropout.yaml"
+    path.write_text(yaml.safe_dump(data))
+    space = SearchSpace(load_sweep(path).space)
+    assert space.grid()["lora_dropout"] == [0.0, 0.1] and space.grid_size() == 2 * space_of("demo.yaml").grid_size()
+    assert {c.lora_dropout for c in space.enumerate_configs()} == {0.0, 0.1}
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler(space.grid(), seed=0))
+    trial = study.ask()
+    config = space.suggest(trial)
+    assert (
+        config.lora_dropout == trial.params["lora_dropout"]
+        and config.as_params()["lora_dropout"] == config.lora_dropout
+    )
+
+    data["space"]["lora_dropout"] = {"low": 0.0, "high": 0.3}
+    data["sampler"] = "tpe"  # a range needs a sampler that is not the grid
+    path.write_text(yaml.safe_dump(data))
+    ranged = SearchSpace(load_sweep(path).space)
+    assert all(0.0 <= c.lora_dropout <= 0.3 for c in ranged.enumerate_configs(n_samples=20))
+    # a sweep file without it searches the four parameters only, and trains without dropout
+    assert "lora_dropout" not in space_of("demo.yaml").distributions()
+    assert {c.lora_dropout for c in space_of("demo.yaml").enumerate_configs()} == {0.0}

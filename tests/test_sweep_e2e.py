@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import mlflow
 import optuna
 import pytest
 import torch
@@ -50,10 +51,16 @@ def small_sweep(tmp: Path, name: str = "e2e", **overrides) -> Path:
     return path
 
 
+DROPOUT = 0.1  # the session's sweep trains every adapter with lora_dropout
+
+
 @pytest.fixture(scope="session")
 def finished_sweep(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("e2e")
     sweep_file = small_sweep(tmp)
+    data = yaml.safe_load(sweep_file.read_text())
+    data["space"]["lora_dropout"] = {"choices": [DROPOUT]}
+    sweep_file.write_text(yaml.safe_dump(data))
     run_dir = tmp / "runs"
     assert main(["sweep", str(sweep_file), "--run-dir", str(run_dir)]) == 0
     study = optuna.load_study(study_name="e2e-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
@@ -91,6 +98,7 @@ def test_mlflow_has_a_child_run_per_trial(finished_sweep):
         assert run.data.tags["mlflow.parentRunId"] == parents[0].info.run_id
         assert run.info.status == "FINISHED"
         assert int(run.data.params["rank"]) == trial.params["rank"]
+        assert trial.params["lora_dropout"] == DROPOUT and float(run.data.params["lora_dropout"]) == DROPOUT
         assert run.data.params["base_model"] and run.data.params["target_modules"]
         losses = client.get_metric_history(run.info.run_id, "train_loss")
         assert [m.step for m in losses] == [1, 2, 3]
@@ -103,7 +111,7 @@ def test_mlflow_has_a_child_run_per_trial(finished_sweep):
         files = {a.path for a in client.list_artifacts(run.info.run_id, "adapter")}
         assert files == {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"}
         label = f"r{trial.params['rank']}-a{trial.params['rank'] * trial.params['alpha_multiplier']:g}"
-        assert run.info.run_name == f"synthetic-t{trial.number}-{label}-lr{trial.params['learning_rate']:.0e}-b2"
+        assert run.info.run_name == f"synthetic-t{trial.number}-{label}-lr{trial.params['learning_rate']:.0e}-b2-d0p1"
     # the study links its MLflow parent run and sweep file; the parent holds flat params and the outcome
     parent = parents[0]
     assert study.user_attrs["mlflow_parent_run_id"] == parent.info.run_id
@@ -119,6 +127,7 @@ def test_exported_adapter_loads_in_peft_and_reproduces_engine_logits(finished_sw
     adapter_dir = Path(trial.user_attrs["adapter_dir"])
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
     assert config["r"] == trial.params["rank"] and config["peft_type"] == "LORA"
+    assert config["lora_dropout"] == DROPOUT
 
     ids = torch.tensor([[1, 504, 1782, 28, 216, 33, 3419, 30]])
     base = load_base_model("smollm2-135m")
@@ -144,6 +153,42 @@ def test_exported_adapter_loads_in_peft_and_reproduces_engine_logits(finished_sw
     with torch.no_grad(), peft_model.disable_adapter():
         plain = peft_model(input_ids=ids).logits
     assert not torch.allclose(plain, peft_logits, atol=1e-4)  # the adapter changes the model
+
+
+def _regular_files(root: Path) -> list[Path]:
+    """Every regular file under ``root``, links not followed: what takes disk space."""
+    return [Path(d) / f for d, _, files in os.walk(root) for f in files if not (Path(d) / f).is_symlink()]
+
+
+def test_every_adapter_is_stored_once_and_loads_from_optuna_and_mlflow(finished_sweep, tmp_path):
+    _, run_dir, study = finished_sweep
+    weights = [p for p in _regular_files(run_dir) if p.name == "adapter_model.safetensors"]
+    assert len(weights) == len(study.trials) == 4
+    assert len({p.stat().st_ino for p in weights}) == 4  # no hard links either: four files, four inodes
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    for trial in study.trials:
+        adapter_dir = Path(trial.user_attrs["adapter_dir"])
+        run = client.get_run(trial.user_attrs["mlflow_run_id"])
+        artifacts = Path(run.info.artifact_uri.removeprefix("file://"))
+        assert adapter_dir.is_absolute() and adapter_dir == artifacts / "adapter"  # Optuna names MLflow's copy
+        assert (adapter_dir / "adapter_model.safetensors") in weights
+        link = next(p for p in (run_dir / "adapters").iterdir() if p.resolve() == adapter_dir.resolve())
+        assert link.is_symlink() and link.name.startswith(f"synthetic-t{trial.number}-")
+
+    trial = study.trials[0]
+    ids = torch.tensor([[1, 504, 1782, 28, 216, 33, 3419, 30]])
+    downloaded = mlflow.artifacts.download_artifacts(
+        run_id=trial.user_attrs["mlflow_run_id"],
+        artifact_path="adapter",
+        dst_path=str(tmp_path),
+        tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}",
+    )
+    logits = []
+    for path in (trial.user_attrs["adapter_dir"], downloaded):
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            logits.append(model(input_ids=ids).logits)
+    assert torch.equal(logits[0], logits[1])
 
 
 def test_notebook_executes_against_the_study(finished_sweep):

@@ -25,7 +25,7 @@ def peft_adapter_config(packed: PackedLoraModel, adapter_id: str, base_model_nam
         "r": config.rank,
         "lora_alpha": config.alpha,
         "use_rslora": config.use_rslora,
-        "lora_dropout": 0.0,
+        "lora_dropout": config.lora_dropout,
         "bias": "none",
         "target_modules": sorted(packed.target_modules),
         "fan_in_fan_out": False,
@@ -54,7 +54,9 @@ def export_peft_adapter(
     save_file(tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
     config = peft_adapter_config(packed, adapter_id, base_model_name)
     (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    if directory.exists():
+    if directory.is_symlink():  # the earlier export's link to where the tracker keeps it
+        directory.unlink()
+    elif directory.exists():
         shutil.rmtree(directory)
     tmp.rename(directory)
     return directory

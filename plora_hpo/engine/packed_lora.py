@@ -38,13 +38,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.engine import tensor_parallel
+from plora_hpo.engine.lora_dropout import lora_input
 from plora_hpo.engine.tensor_parallel import LinearShard, StorageColumns, TensorParallelPlan
-from plora_hpo.kernels import SegmentLayout, adapted_linear
+from plora_hpo.kernels import SegmentLayout, adapted_linear, packed_lora_add
+from plora_hpo.kernels._grads_into import grads_into
 
 _LAYOUT_CACHE_SIZE = 256
 # The kernels address weights with 32-bit offsets (rank row × row stride): a storage buffer holds
@@ -67,6 +70,8 @@ class Route:
     scalings: tuple[float, ...]
     token_counts: tuple[int, ...] | None = None
     layouts: OrderedDict | None = None  # shared by the model: one layout (and kernel plan) per shape
+    dropouts: tuple[float, ...] = ()  # each group's lora_dropout p
+    dropout_keys: tuple[int, ...] | None = None  # a training forward's keys (lora_dropout); None: no dropout
 
     def layout(self, tokens_per_row: int) -> SegmentLayout:
         """Token segments for a forward whose rows hold ``tokens_per_row`` tokens each."""
@@ -167,11 +172,15 @@ class _Frozen:
 
 
 class PackedLoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` plus per-adapter LoRA factors applied to each adapter's rows."""
+    """A frozen ``nn.Linear`` plus per-adapter LoRA factors applied to each adapter's rows.
 
-    def __init__(self, base: nn.Linear, router: Router, shard: LinearShard | None = None) -> None:
+    ``index`` (the layer's position in the model) keys its dropout masks: see :mod:`.lora_dropout`.
+    """
+
+    def __init__(self, base: nn.Linear, router: Router, shard: LinearShard | None = None, index: int = 0) -> None:
         super().__init__()
         self.base = base
+        self.index = index
         self.router = router
         self.shard = shard  # this rank's part of the layer under tensor parallelism (None: whole)
         self.lora_A = nn.ParameterDict()
@@ -282,9 +291,29 @@ class PackedLoraLinear(nn.Module):
             a_cat, b_cat, grads = frozen.factors.a_cat, frozen.factors.b_cat, None
         else:
             (a_cat, b_cat), grads = self._weights(route, x.dtype), None
+        if route.dropout_keys is not None:
+            return self._forward_dropped(x, route, layout, a_cat, b_cat, grads)
         # one node for base and adapters: its backward writes dx = dy·W and the adapters' part
         # into one buffer, where base + delta as two nodes would leave autograd a full-size add
         return adapted_linear(x, self.base.weight, self.base.bias, a_cat, b_cat, layout, grads_into=grads)
+
+    def _forward_dropped(
+        self,
+        x: torch.Tensor,
+        route: Route,
+        layout: SegmentLayout,
+        a_cat: torch.Tensor,
+        b_cat: torch.Tensor,
+        grads: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> torch.Tensor:
+        """``base(x) + delta(dropout(x))``: the base layer and the adapters see different inputs,
+        so they are two nodes here (the base matmul, then the delta added into its output)."""
+        x2 = x.reshape(-1, x.shape[-1])
+        x_lora = lora_input(x2, layout, route.dropouts, route.dropout_keys, self.index)
+        if grads is not None:
+            a_cat, b_cat = grads_into(a_cat, b_cat, grads)
+        y = packed_lora_add(F.linear(x2, self.base.weight, self.base.bias), x_lora, a_cat, b_cat, layout)
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -344,7 +373,7 @@ class PackedLoraModel:
             if name.rsplit(".", 1)[-1] in self.target_modules and isinstance(module, nn.Linear):
                 parent_name, _, child = name.rpartition(".")
                 shard = None if self.parallel is None else self.parallel.shards.get(name)
-                packed = PackedLoraLinear(module, self.router, shard)
+                packed = PackedLoraLinear(module, self.router, shard, index=len(self.layers))
                 setattr(model.get_submodule(parent_name), child, packed)
                 self.layers[name] = packed
         if not self.layers:
@@ -718,18 +747,28 @@ class PackedLoraModel:
 
     @contextmanager
     def route(
-        self, row_adapters: Sequence[tuple[str, int]], *, token_counts: Sequence[int] | None = None
+        self,
+        row_adapters: Sequence[tuple[str, int]],
+        *,
+        token_counts: Sequence[int] | None = None,
+        dropout_keys: Sequence[int] | None = None,
     ) -> Iterator[None]:
         """Within the block, rows are ``(adapter_id, n_rows)`` groups in order.
 
         Every row of the batch must belong to one listed group; the groups' row counts sum to
         the batch size (a group may have no rows). ``token_counts`` gives each group's tokens
-        when sequences are concatenated into one row (padding-free batches).
+        when sequences are concatenated into one row (padding-free batches). ``dropout_keys``
+        (one per group, :func:`~plora_hpo.engine.lora_dropout.forward_key`) marks a training
+        forward: each adapter's LoRA input is dropped out by its ``lora_dropout``. Without keys,
+        or when every p is 0, nothing is dropped and the layers take their fused path.
         """
         ids = tuple(a for a, _ in row_adapters)
         configs = [self.configs[a] for a in ids]
         if token_counts is not None and len(token_counts) != len(ids):
             raise ValueError(f"{len(token_counts)} token counts for {len(ids)} groups")
+        if dropout_keys is not None and len(dropout_keys) != len(ids):
+            raise ValueError(f"{len(dropout_keys)} dropout keys for {len(ids)} groups")
+        dropouts = tuple(c.lora_dropout for c in configs)
         self.router.current = Route(
             adapter_ids=ids,
             row_counts=tuple(n for _, n in row_adapters),
@@ -737,6 +776,8 @@ class PackedLoraModel:
             scalings=tuple(c.scaling for c in configs),
             token_counts=None if token_counts is None else tuple(token_counts),
             layouts=self._layouts,
+            dropouts=dropouts,
+            dropout_keys=tuple(dropout_keys) if dropout_keys is not None and any(dropouts) else None,
         )
         try:
             yield

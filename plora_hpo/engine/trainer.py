@@ -52,6 +52,7 @@ from plora_hpo.engine.fused import (
     install_varlen_attention,
     unfuse_elementwise,
 )
+from plora_hpo.engine.lora_dropout import forward_key
 from plora_hpo.engine.loss import grouped_label_loss
 from plora_hpo.engine.packed_lora import PackedLoraModel
 
@@ -390,7 +391,24 @@ class PackedTrainer:
                 grad.mul_(row_coefs)
         return dict(zip(ids, norms.unbind()))
 
-    def _forward_backward(self, mb: MicroBatch, normalizers: torch.Tensor) -> torch.Tensor:
+    def _dropout_keys(self, micro_batches: list[MicroBatch]) -> list[list[int] | None]:
+        """Per micro-batch, each group's :func:`forward_key` (its adapter's seed, step and how many
+        of its micro-batches came before); None for all when no adapter of the step uses dropout."""
+        if not any(self.jobs[a].config.lora_dropout for a in self.active):
+            return [None] * len(micro_batches)
+        seen: dict[str, int] = {}
+        keys = []
+        for mb in micro_batches:
+            keys.append(
+                [forward_key(self.jobs[a].config.seed, self.steps_done[a], seen.get(a, 0)) for a, _ in mb.groups]
+            )
+            for a, rows in mb.groups:
+                seen[a] = seen.get(a, 0) + (rows > 0)
+        return keys
+
+    def _forward_backward(
+        self, mb: MicroBatch, normalizers: torch.Tensor, dropout_keys: list[int] | None = None
+    ) -> torch.Tensor:
         """One micro-batch: per-adapter loss contributions (detached), gradients accumulated."""
         model = self.packed.model
         # Padding is on the right, so causal attention never lets a real token see it: (rows, T)
@@ -406,7 +424,7 @@ class PackedTrainer:
                 MAX_SEQLEN_KWARG: mb.max_seqlen,
                 SEQ_RUNS_KWARG: mb.seq_runs,
             }
-        with self.packed.route(mb.groups, token_counts=mb.token_counts):
+        with self.packed.route(mb.groups, token_counts=mb.token_counts, dropout_keys=dropout_keys):
             hidden = model.base_model(input_ids=mb.input_ids, use_cache=False, **kwargs).last_hidden_state
             selected = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.label_index)
             sums = grouped_label_loss(
@@ -432,8 +450,8 @@ class PackedTrainer:
         label_totals = [sum(mb.label_counts[g] for mb in micro_batches) for g in range(len(ids))]
         normalizers = to_device(torch.tensor([max(1, n) for n in label_totals], dtype=torch.float32), self.device)
         losses = torch.zeros(len(ids), dtype=torch.float32, device=self.device)
-        for mb in micro_batches:
-            losses += self._forward_backward(mb, normalizers)
+        for mb, keys in zip(micro_batches, self._dropout_keys(micro_batches)):
+            losses += self._forward_backward(mb, normalizers, keys)
         self.packed.reduce_storage_grads()  # tensor parallelism: complete replicated factors' gradients
 
         lrs, norms = {}, []

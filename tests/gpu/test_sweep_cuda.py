@@ -193,7 +193,7 @@ def test_short_real_sweep_on_cuda(tmp_path, model_dir, data_dir):
     segments = packs_of(run_dir)
     assert {s["device"] for s in segments} == {"cuda:0"}
     assert max(len(s["members"]) for s in segments) == 4  # the four trained together
-    adapters = list((run_dir / "adapters").rglob("adapter_config.json"))
+    adapters = list((run_dir / "adapters").glob("*/adapter_config.json"))  # links into mlartifacts/
     assert len(adapters) == 4
 
 
