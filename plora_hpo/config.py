@@ -8,6 +8,7 @@ hyperparameter search space (see :mod:`plora_hpo.space`).
 from __future__ import annotations
 
 import difflib
+import re
 import types
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
@@ -344,17 +345,27 @@ class SweepConfig(_Strict):
     @field_validator("objectives")
     @classmethod
     def _objectives(cls, objectives: list[str]) -> list[str]:
-        if "task" not in objectives:
-            raise ValueError("objectives must include 'task' (the task's metric)")
+        if objectives[:1] != ["task"]:
+            raise ValueError("objectives must start with 'task' (the task's metric)")
         if len(set(objectives)) != len(objectives):
             raise ValueError(f"each objective once, got {objectives}")
         return objectives
 
     @model_validator(mode="after")
     def _tasks_defined(self) -> SweepConfig:
-        clash = [n for n in self.custom_tasks if n in TASK_NAMES]
-        if clash:
-            raise ValueError(f"custom task {clash[0]!r} has a built-in task's name; call it something else")
+        for name in self.custom_tasks:
+            if name in TASK_NAMES:
+                raise _field_error(
+                    ("custom_tasks", name),
+                    f"custom task {name!r} has a built-in task's name; call it something else",
+                    name,
+                )
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise _field_error(
+                    ("custom_tasks", name),
+                    f"task name {name!r} names studies and folders; use letters, digits, '_', '.' and '-'",
+                    name,
+                )
         known = [*TASK_NAMES, *self.custom_tasks]
         unknown = [t for t in self.tasks if t not in known]
         if unknown:

@@ -31,8 +31,9 @@ def objective_key(study: optuna.Study) -> str:
 
 
 def ranked_trials(study: optuna.Study, done: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
-    """Completed trials, best first in the study's direction (a single-objective study)."""
-    return sorted(done, key=lambda t: t.value, reverse=study.direction == optuna.study.StudyDirection.MAXIMIZE)
+    """Completed trials, best first by the task's metric (the first objective) in its direction."""
+    maximize = study.directions[0] == optuna.study.StudyDirection.MAXIMIZE
+    return sorted(done, key=lambda t: t.values[0], reverse=maximize)
 
 
 def objectives_line(study: optuna.Study) -> str:
@@ -144,11 +145,8 @@ def print_summary(
 def _print_pareto_front(study: optuna.Study, console: Console) -> None:
     """The trials no other trial beats on every objective, ordered by the first objective."""
     done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
-    front = sorted(
-        study.best_trials,
-        key=lambda t: t.values[0],
-        reverse=study.directions[0] == optuna.study.StudyDirection.MAXIMIZE,
-    )
+    pareto = {t.number for t in study.best_trials}
+    front = [t for t in ranked_trials(study, done) if t.number in pareto]
     names = study.metric_names or [f"value {i}" for i in range(len(study.directions))]
     table = Table(
         title=f"{study.study_name}: Pareto front, {len(front)} of {len(done)} complete trials, "
