@@ -8,12 +8,22 @@ hyperparameter search space (see :mod:`plora_hpo.space`).
 from __future__ import annotations
 
 import difflib
+import re
 import types
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from plora_hpo.errors import ConfigError
 from plora_hpo.shapes import TARGET_MODULES
@@ -221,6 +231,102 @@ class PruningSpec(_Strict):
     warmup_steps: int = Field(0, ge=0, description="Never prune before this step (the pruners' warm-up/min resource).")
 
 
+class CustomTask(_Strict):
+    """A task of the user's own: an lm-eval task by name, an lm-eval task YAML, or data files.
+
+    Give exactly one of ``lm_eval``, ``yaml`` or ``train``+``eval``. Relative paths are read from
+    the sweep file's folder.
+    """
+
+    lm_eval: str | None = Field(
+        None, description="A task registered in lm-eval (e.g. 'arc_easy'): its prompts, targets and metrics."
+    )
+    yaml: str | None = Field(
+        None, description="Path of an lm-eval task YAML of the user's own (it may 'include' others)."
+    )
+    data_files: dict[str, str] | None = Field(
+        None,
+        description="With lm_eval or yaml: local files replacing the task's dataset, per lm-eval split "
+        "(e.g. {train: train.jsonl, validation: dev.jsonl}); .jsonl/.json, .csv or .parquet.",
+    )
+    train: str | None = Field(
+        None, description="Training file (.jsonl/.json, .csv or .parquet) of prompt/completion rows."
+    )
+    eval: str | None = Field(None, description="Held-out file, same format and columns, that trials are scored on.")
+    prompt_column: str = Field("prompt", description="Column of train/eval holding the prompt.")
+    completion_column: str = Field("completion", description="Column of train/eval holding the completion (target).")
+    target_delimiter: str = Field(" ", description="Put between prompt and completion (lm-eval's target_delimiter).")
+    choices: list[str] | None = Field(
+        None,
+        description="A fixed answer set: each completion must be one of these; scored by comparing the "
+        "log-likelihood of every choice (lm-eval multiple_choice). Without it the model generates.",
+    )
+    regex: str | None = Field(
+        None, description="Generation only: compare the first match of this pattern (its first group) with the target."
+    )
+    until: list[str] = Field(["\n"], description="Generation only: stop generating at any of these strings.")
+    metric: str | None = Field(
+        None,
+        description="lm-eval metric to optimise, optionally with its filter ('acc', 'exact_match,strict-match'). "
+        "For data files: acc/acc_norm/f1/mcc with choices, exact_match for generation, perplexity "
+        "(of the completion, scored by log-likelihood). Default: the task's first metric.",
+    )
+    direction: Literal["maximize", "minimize"] | None = Field(
+        None, description="Optimise the metric up or down; default: lm-eval's higher_is_better for it."
+    )
+
+    @field_validator("yaml", "train", "eval")
+    @classmethod
+    def _relative_to_sweep_file(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return None if value is None else _resolve_path(value, info)
+
+    @field_validator("data_files")
+    @classmethod
+    def _files_relative_to_sweep_file(cls, value: dict[str, str] | None, info: ValidationInfo) -> dict[str, str] | None:
+        if value is None:
+            return None
+        if not value:
+            raise ValueError(
+                "data_files is empty; give a file per split, e.g. {train: train.jsonl, validation: dev.jsonl}"
+            )
+        return {split: _resolve_path(path, info) for split, path in value.items()}
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> CustomTask:
+        kinds = [k for k, given in (("lm_eval", self.lm_eval), ("yaml", self.yaml), ("train", self.train)) if given]
+        if self.eval is not None and self.train is None:
+            raise ValueError("'eval' needs 'train' (the training file) too")
+        if len(kinds) != 1:
+            shown = " and ".join(repr(k) for k in kinds) if kinds else "none"
+            raise ValueError(f"give exactly one of 'lm_eval', 'yaml' or 'train'+'eval', got {shown}")
+        if self.train is not None:
+            if self.eval is None:
+                raise ValueError("'train' needs 'eval', the held-out file trials are scored on")
+            if self.data_files is not None:
+                raise ValueError("'data_files' replaces an lm-eval task's dataset; with train/eval leave it out")
+        elif self.choices is not None or self.regex is not None:
+            raise ValueError("'choices' and 'regex' describe train/eval files; an lm-eval task defines its own")
+        if self.choices is not None:
+            if len(set(self.choices)) < 2 or len(set(self.choices)) != len(self.choices):
+                raise ValueError(f"'choices' needs at least two different answers, each once, got {self.choices}")
+            if self.regex is not None:
+                raise ValueError("'regex' extracts answers from generations; with 'choices' nothing is generated")
+        return self
+
+    @property
+    def kind(self) -> Literal["lm_eval", "yaml", "files"]:
+        return "lm_eval" if self.lm_eval else "yaml" if self.yaml else "files"
+
+
+def _resolve_path(value: str, info: ValidationInfo) -> str:
+    """An absolute path: relative ones are taken from the sweep file's folder (the context's ``base_dir``)."""
+    path = Path(value).expanduser()
+    base = (info.context or {}).get("base_dir")
+    if not path.is_absolute() and base is not None:
+        path = Path(base) / path
+    return str(path.resolve()) if path.is_absolute() or base is not None else value
+
+
 class SweepConfig(_Strict):
     """A whole sweep: what to train, how to score it, and what to search over."""
 
@@ -229,7 +335,18 @@ class SweepConfig(_Strict):
         "smollm2-135m",
         description="'smollm2-135m' (embedded), a hub id or local path, or 'random:<shape>' for benchmarks.",
     )
-    tasks: list[str] = Field(description=f"Tasks to tune, one study each: {', '.join(TASK_NAMES)}.")
+    tasks: list[str] = Field(
+        description=f"Tasks to tune, one study each: {', '.join(TASK_NAMES)} or a name defined under custom_tasks."
+    )
+    custom_tasks: dict[str, CustomTask] = Field(
+        {}, description="The user's own tasks by name: lm-eval tasks (by name or YAML) or prompt/completion files."
+    )
+    objectives: list[Literal["task", "adapter_params", "pack_tokens_per_second"]] = Field(
+        ["task"],
+        description="What each study optimises, in order: the task's metric (in its direction), the adapter's "
+        "trainable parameters (minimised), its pack's training throughput (maximised). More than one gives a "
+        "multi-objective study whose result is the Pareto front.",
+    )
     target_modules: list[str] = Field(list(TARGET_MODULES), description="Projections that get adapters.")
     seq_len: int = Field(512, gt=0, description="Training sequences are truncated to this many tokens.")
     seed: int = Field(0, description="Seeds the sampler, adapter inits and data orders.")
@@ -248,9 +365,6 @@ class SweepConfig(_Strict):
     def _known_tasks(cls, tasks: list[str]) -> list[str]:
         if not tasks:
             raise ValueError("list at least one task")
-        unknown = [t for t in tasks if t not in TASK_NAMES]
-        if unknown:
-            raise ValueError(f"unknown task {unknown[0]!r}; choose from {', '.join(TASK_NAMES)}")
         return tasks
 
     @field_validator("target_modules")
@@ -263,6 +377,49 @@ class SweepConfig(_Strict):
             raise ValueError(f"unknown target module {unknown[0]!r}; choose from {', '.join(TARGET_MODULES)}")
         return modules
 
+    @field_validator("objectives")
+    @classmethod
+    def _objectives(cls, objectives: list[str]) -> list[str]:
+        if objectives[:1] != ["task"]:
+            raise ValueError("objectives must start with 'task' (the task's metric)")
+        if len(set(objectives)) != len(objectives):
+            raise ValueError(f"each objective once, got {objectives}")
+        return objectives
+
+    @model_validator(mode="after")
+    def _tasks_defined(self) -> SweepConfig:
+        for name in self.custom_tasks:
+            if name in TASK_NAMES:
+                raise _field_error(
+                    ("custom_tasks", name),
+                    f"custom task {name!r} has a built-in task's name; call it something else",
+                    name,
+                )
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
+                raise _field_error(
+                    ("custom_tasks", name),
+                    f"task name {name!r} names studies and folders; use letters, digits, '_', '.' and '-'",
+                    name,
+                )
+        known = [*TASK_NAMES, *self.custom_tasks]
+        unknown = [t for t in self.tasks if t not in known]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise _field_error(
+                ("tasks",),
+                f"unknown task {unknown[0]!r}; {hint}choose from {', '.join(known)}, or define it under custom_tasks",
+                self.tasks,
+            )
+        if len(self.objectives) > 1 and self.pruning.pruner != "none":
+            raise _field_error(
+                ("objectives",),
+                "pruning needs a single objective (Optuna cannot prune multi-objective studies); "
+                "set pruning.pruner: none or list only 'task'",
+                self.objectives,
+            )
+        return self
+
     @model_validator(mode="after")
     def _grid_is_categorical(self) -> SweepConfig:
         if self.sampler == "grid":
@@ -270,6 +427,14 @@ class SweepConfig(_Strict):
             if ranged:
                 raise ValueError(f"sampler 'grid' needs 'choices' for every parameter; {ranged[0]} is a range")
         return self
+
+
+def _field_error(loc: tuple[str, ...], message: str, value: Any) -> ValidationError:
+    """A validation error at ``loc`` from a whole-model check (which would otherwise have no key path)."""
+    error = PydanticCustomError("value_error", "{message}", {"message": message})
+    return ValidationError.from_exception_data(
+        SweepConfig.__name__, [InitErrorDetails(type=error, loc=loc, input=value)]
+    )
 
 
 def _model_at(loc: tuple[str, ...]) -> type[BaseModel] | None:
@@ -349,7 +514,7 @@ def parse_sweep(data: Any, source: Path, flags: dict[tuple, str] | None = None) 
             "batch_size, each with 'choices' or 'low'/'high'"
         )
     try:
-        return SweepConfig.model_validate(data)
+        return SweepConfig.model_validate(data, context={"base_dir": source.parent.resolve()})
     except ValidationError as err:
         raise ConfigError(_format_validation_error(source, err, flags)) from None
 

@@ -31,7 +31,8 @@ def check_sweep_inputs(
     """Check a sweep's command-line inputs before anything loads or is written; one-line errors.
 
     Run directory (it, or the folder it would be created in, must be writable), device, base model
-    (a missing folder, an unknown hub id offline), data directory and task files, the MLflow
+    (a missing folder, an unknown hub id offline), data directory and task files, the sweep file's
+    own tasks (each lm-eval task loaded and checked: :mod:`plora_hpo.tasks.custom`), the MLflow
     tracking URI and the Optuna storage URL. Leaves nothing behind: the run directory is not
     created, and stores inside ``run_dir`` (the defaults) do not exist yet and are not checked here.
     """
@@ -40,7 +41,13 @@ def check_sweep_inputs(
     check_run_dir_writable(run_dir)
     _check_device(device)
     _check_model(config.model)
-    real_tasks = [t for t in config.tasks if t != "synthetic"]
+    custom = [t for t in config.tasks if t in config.custom_tasks]
+    if custom:
+        from plora_hpo.tasks import resolve_task
+
+        for task in custom:
+            resolve_task(task, config.custom_tasks)
+    real_tasks = [t for t in config.tasks if t != "synthetic" and t not in config.custom_tasks]
     if data_dir is not None or real_tasks:
         from plora_hpo.tasks import get_task
         from plora_hpo.tasks._sources import DATA_DIR_ENV, check_local_files, resolve_data_dir

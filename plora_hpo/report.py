@@ -1,6 +1,7 @@
 """The end-of-sweep table: the best trials per task against the reference (default) trial,
 each score with its standard error, each classifier's answer balance, and whether the best
-config's lead over the default is larger than the noise."""
+config's lead over the default is larger than the noise. "Best" follows the study's direction;
+a multi-objective study shows its Pareto front, one column per objective."""
 
 from __future__ import annotations
 
@@ -27,6 +28,18 @@ def objective_key(study: optuna.Study) -> str:
     """The lm-eval key of the study's objective (``"mcc,none"`` of ``"cola:mcc,none"``)."""
     metric = (study.metric_names or ["value"])[0]
     return metric.partition(":")[2] or metric
+
+
+def ranked_trials(study: optuna.Study, done: list[optuna.trial.FrozenTrial]) -> list[optuna.trial.FrozenTrial]:
+    """Completed trials, best first by the task's metric (the first objective) in its direction."""
+    maximize = study.directions[0] == optuna.study.StudyDirection.MAXIMIZE
+    return sorted(done, key=lambda t: t.values[0], reverse=maximize)
+
+
+def objectives_line(study: optuna.Study) -> str:
+    """``cola:mcc,none (maximize)``, or every objective with its direction for a multi-objective study."""
+    names = study.metric_names or [f"value {i}" for i in range(len(study.directions))]
+    return ", ".join(f"{name} ({d.name.lower()})" for name, d in zip(names, study.directions))
 
 
 def trial_stderr(trial: optuna.trial.FrozenTrial, metric_key: str) -> float | None:
@@ -73,23 +86,26 @@ def print_summary(
     top: int | None = 5,
     console: Console | None = None,
 ) -> None:
-    """Print each study's table (``top`` best trials and the default; None: every trial)."""
+    """Print each study's table (``top`` best trials and the default; None: every trial); a
+    multi-objective study's table is its Pareto front."""
     console = console or Console()
     for study in studies.values():
+        if len(study.directions) > 1:
+            _print_pareto_front(study, console)
+            continue
         done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         pruned = sum(t.state == optuna.trial.TrialState.PRUNED for t in study.trials)
         retried = {t.user_attrs["retry_of"] for t in study.trials if "retry_of" in t.user_attrs}
         failed = sum(t.state == optuna.trial.TrialState.FAIL and t.number not in retried for t in study.trials)
-        metric = (study.metric_names or ["value"])[0]
         metric_key = objective_key(study)
         extra = "".join(f", {n} {what}" for n, what in ((pruned, "pruned"), (failed, "failed")) if n)
         documents = study.user_attrs.get("eval_documents")
-        title = f"{study.study_name}: {len(done)} complete trials{extra}, metric {metric}"
+        title = f"{study.study_name}: {len(done)} complete trials{extra}, metric {objectives_line(study)}"
         table = Table(title=title + (f" on {documents}" if documents else ""))
         columns = ("trial", "rank", "alpha", "lr", "batch", "value ± stderr", "answers", "loss (last steps)", "pack")
         for column in columns:
             table.add_column(column, justify="right")
-        ranked = sorted(done, key=lambda t: t.value, reverse=True)
+        ranked = ranked_trials(study, done)
         reference = next((t for t in done if is_reference(t)), None)
         shown = ranked if top is None else ranked[:top]
         rows = shown + ([reference] if reference is not None and reference not in shown else [])
@@ -124,3 +140,29 @@ def print_summary(
     console.print(f"Optuna storage: {storage}  (optuna-dashboard {storage})")
     if tracking_uri:
         console.print(f"MLflow: {tracking_uri}  (mlflow ui --backend-store-uri {tracking_uri})")
+
+
+def _print_pareto_front(study: optuna.Study, console: Console) -> None:
+    """The trials no other trial beats on every objective, ordered by the first objective."""
+    done = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    pareto = {t.number for t in study.best_trials}
+    front = [t for t in ranked_trials(study, done) if t.number in pareto]
+    names = study.metric_names or [f"value {i}" for i in range(len(study.directions))]
+    table = Table(
+        title=f"{study.study_name}: Pareto front, {len(front)} of {len(done)} complete trials, "
+        f"objectives {objectives_line(study)}"
+    )
+    for column in ("trial", "rank", "alpha", "lr", "batch", *names, "pack"):
+        table.add_column(column, justify="right")
+    for t in front:
+        p = t.params
+        table.add_row(
+            str(t.number),
+            str(p.get("rank")),
+            f"{p.get('alpha_multiplier', 0) * p.get('rank', 0):g}",
+            f"{p.get('learning_rate', 0):.1e}",
+            str(p.get("batch_size")),
+            *(f"{v:.4f}" if abs(v) < 1e4 else f"{v:,.0f}" for v in t.values),
+            t.user_attrs.get("pack_id", "-"),
+        )
+    console.print(table)

@@ -147,12 +147,19 @@ class MlflowReporter(_SegmentLog):
     Args:
         tracker: the sweep's tracker (parent run started).
         trial_params: a trial's MLflow params (its config and the sweep settings that shape it).
+        primary_metric: a task's objective key in lm-eval's results (default: the built-in task's).
     """
 
-    def __init__(self, tracker: SweepTracker, trial_params: Callable[[TrialRequest], dict[str, Any]]) -> None:
+    def __init__(
+        self,
+        tracker: SweepTracker,
+        trial_params: Callable[[TrialRequest], dict[str, Any]],
+        primary_metric: Callable[[str], str] | None = None,
+    ) -> None:
         super().__init__()
         self.tracker = tracker
         self.trial_params = trial_params
+        self.primary_metric = primary_metric or _builtin_primary
         self._logged: dict[str, dict[str, int]] = {}  # per run: the last step already logged per metric
 
     def trial_started(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
@@ -183,7 +190,7 @@ class MlflowReporter(_SegmentLog):
     def trial_completed(
         self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats
     ) -> Path:
-        metric = _primary(record.request.task)
+        metric = self.primary_metric(record.request.task)
         rows = curve_rows(record.curve) + intermediate_rows(record.intermediate, metric)
         rows += [(metric_key(k), v, 0) for k, v in metrics.items()]
         rows.append(("pack_tokens_per_second", stats.tokens_per_second, 0))
@@ -213,7 +220,7 @@ class MlflowReporter(_SegmentLog):
         self.tracker.end_trial(record.run_id, "KILLED")
 
 
-def _primary(task: str) -> str:
+def _builtin_primary(task: str) -> str:
     from plora_hpo.tasks import get_task
 
     return get_task(task).primary_metric

@@ -331,7 +331,11 @@ class SweepRun:
 
     def _record_summary(self) -> None:
         """The sweep's outcome on the MLflow parent run: each task's best value (metric
-        ``best/<task>``), the best trial's adapter (tag) and every finished trial (``summary/``)."""
+        ``best/<task>``) and the best trial's adapter (tag), or for a multi-objective study its
+        Pareto front (tag ``plora.pareto.<task>``: trial numbers), and every finished trial
+        (``summary/``), best first in the study's direction."""
+        from plora_hpo.report import objectives_line, ranked_trials
+
         assert self.tracker is not None
         parent = self.tracker.parent_run_id
         if parent is None:
@@ -339,20 +343,27 @@ class SweepRun:
         rows, tags, table = [], {}, {}
         for task, study in self.studies.items():
             done = [t for t in study.get_trials(deepcopy=False) if t.state == optuna.trial.TrialState.COMPLETE]
+            multi = len(study.directions) > 1
+            front = {t.number for t in study.best_trials} if multi and done else set()
+            ordered = sorted(done, key=lambda t: t.number) if multi else ranked_trials(study, done)
+            tags[f"plora.objective.{task}"] = objectives_line(study)
             table[task] = [
                 {
                     "trial": t.number,
                     "params": t.params,
-                    "value": t.value,
+                    **({"values": t.values, "pareto": t.number in front} if multi else {"value": t.value}),
                     "metrics": t.user_attrs.get("metrics"),
+                    "adapter_params": t.user_attrs.get("adapter_params"),
                     "final_train_loss": t.user_attrs.get("final_train_loss"),
                     "adapter_dir": t.user_attrs.get("adapter_dir"),
                     "mlflow_run_id": t.user_attrs.get("mlflow_run_id"),
                 }
-                for t in sorted(done, key=lambda t: t.value, reverse=True)
+                for t in ordered
             ]
-            if done:
-                best = max(done, key=lambda t: t.value)
+            if multi:
+                tags[f"plora.pareto.{task}"] = ",".join(map(str, sorted(front)))
+            elif done:
+                best = ordered[0]
                 rows.append((f"best/{task}", best.value, 0))
                 tags[f"plora.best.{task}"] = str(best.user_attrs.get("adapter_dir"))
         folder = self.run_dir / "summary"

@@ -22,6 +22,7 @@ from typing import Any
 
 import optuna
 
+from plora_hpo.adapter import AdapterConfig
 from plora_hpo.config import SweepConfig
 from plora_hpo.errors import ConfigError, first_line
 from plora_hpo.grid import OrderedGridSampler
@@ -35,6 +36,7 @@ from plora_hpo.storage import (
     requeue,
 )
 from plora_hpo.sweep import PackedSweep
+from plora_hpo.tasks import Direction, TaskSpec
 from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest
 
 log = logging.getLogger(__name__)
@@ -92,18 +94,21 @@ def create_study(
     (:class:`~plora_hpo.run.SweepRun`) or by heartbeat, never here: other live processes may be
     running them.
     """
+    from plora_hpo.tasks import resolve_task
+
+    spec = resolve_task(task, config.custom_tasks)
     space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
     study = optuna.create_study(
         study_name=study_name(config, task),
         storage=open_storage(storage, heartbeat=heartbeat) if isinstance(storage, str) else storage,
         sampler=make_sampler(config, space),
         pruner=make_pruner(config),
-        direction="maximize",
+        directions=[direction for _, direction in objectives(config, spec)],
         load_if_exists=True,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        study.set_metric_names([task_metric_name(task)])
+        study.set_metric_names([name for name, _ in objectives(config, spec)])
     return study
 
 
@@ -176,10 +181,34 @@ def finished_trials(study: optuna.Study) -> int:
     return sum(t.state.is_finished() and t.number not in retried for t in trials)
 
 
-def task_metric_name(task: str) -> str:
-    from plora_hpo.tasks import get_task
+OBJECTIVE_DIRECTIONS: dict[str, Direction] = {"adapter_params": "minimize", "pack_tokens_per_second": "maximize"}
+"""The fixed direction of each objective besides the task's metric."""
 
-    return f"{task}:{get_task(task).primary_metric}"
+
+def objectives(config: SweepConfig, spec: TaskSpec) -> list[tuple[str, Direction]]:
+    """The study's objectives in order, each with its direction: ``("cola:mcc,none", "maximize")``
+    for the task's metric, then the sweep file's other objectives (multi-objective studies)."""
+    return [
+        (f"{spec.name}:{spec.primary_metric}", spec.direction) if name == "task" else (name, OBJECTIVE_DIRECTIONS[name])
+        for name in config.objectives
+    ]
+
+
+def trial_values(config: SweepConfig, outcome: TrialOutcome, adapter_params: int) -> float | list[float]:
+    """What Optuna is told of a trial: the task's score, or one value per objective (a failed
+    trial's score is NaN, which Optuna records as FAIL)."""
+    values = {
+        "task": outcome.value,
+        "adapter_params": float(adapter_params),
+        "pack_tokens_per_second": outcome.tokens_per_second,
+    }
+    picked = [values[name] for name in config.objectives]
+    return picked[0] if len(picked) == 1 else picked
+
+
+def adapter_params(sweep: PackedSweep, config: AdapterConfig) -> int:
+    """Trainable parameters of a trial's adapter on the sweep's base model and target modules."""
+    return sweep.base.shape.lora_params(config.rank, tuple(sweep.config.target_modules))
 
 
 def default_n_trials(config: SweepConfig) -> int:
@@ -191,9 +220,11 @@ def default_n_trials(config: SweepConfig) -> int:
     raise ConfigError("n_trials is required for a ranged search space; add 'n_trials: N' or pass --n-trials")
 
 
-def record_outcome(trial: optuna.trial.BaseTrial, outcome: TrialOutcome) -> None:
-    """What a trial keeps in the Optuna storage besides its value (links to MLflow and the adapter)."""
+def record_outcome(trial: optuna.trial.BaseTrial, outcome: TrialOutcome, params: int) -> None:
+    """What a trial keeps in the Optuna storage besides its value (links to MLflow and the adapter,
+    and the adapter's ``params``: trainable parameters)."""
     trial.set_user_attr("mlflow_run_id", outcome.run_id)
+    trial.set_user_attr("adapter_params", params)
     trial.set_user_attr("pack_id", outcome.pack_id)
     trial.set_user_attr("adapter_dir", str(Path(outcome.adapter_dir).resolve()) if outcome.adapter_dir else None)
     trial.set_user_attr("metrics", outcome.metrics)
@@ -262,7 +293,7 @@ class PackedObjective:
         self.pruning = config.pruning.pruner != "none"
         self._warned = False
 
-    def __call__(self, trial: optuna.Trial) -> float:
+    def __call__(self, trial: optuna.Trial) -> float | list[float]:
         if not self._warned and self.sweep.concurrency > 1 and threading.current_thread() is threading.main_thread():
             self._warned = True  # study.optimize runs n_jobs=1 in the caller's thread, more in a pool
             warnings.warn(
@@ -272,6 +303,7 @@ class PackedObjective:
                 stacklevel=2,
             )
         config = self.space.suggest(trial)
+        params = adapter_params(self.sweep, config)
         try:
             outcome = self.sweep.submit(trial_request(trial, self.task, config, self.pruning)).wait()
         except TrialInterrupted:
@@ -283,15 +315,15 @@ class PackedObjective:
                 log.info("trial %d: cannot queue its retry (%s)", trial.number, first_line(err))
             raise
         if outcome.pruned:
-            record_outcome(trial, outcome)
+            record_outcome(trial, outcome, params)
             raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at} ({outcome.value:.4f})")
         if outcome.failed:
             # Returning NaN makes Optuna mark just this trial FAIL (with a warning) and go on;
             # raising would stop study.optimize(catch=()) and with it the trials still to run.
             record_failure(trial, outcome)
-            return float("nan")
-        record_outcome(trial, outcome)
-        return outcome.value
+            return trial_values(self.sweep.config, outcome, params)
+        record_outcome(trial, outcome, params)
+        return trial_values(self.sweep.config, outcome, params)
 
 
 # --- explicit batches ---------------------------------------------------------------------------
@@ -324,16 +356,17 @@ def optimize_in_packs(
             for trial, _ in batch:
                 _tell(study, trial, state=optuna.trial.TrialState.FAIL)
             raise
-        for (trial, _), outcome in zip(batch, results):
+        for (trial, adapter), outcome in zip(batch, results):
+            params = adapter_params(sweep, adapter)
             if outcome.failed:  # only this trial fails; the batch and the study go on
                 record_failure(trial, outcome)
                 _tell(study, trial, state=optuna.trial.TrialState.FAIL)
             elif outcome.pruned:
-                record_outcome(trial, outcome)
+                record_outcome(trial, outcome, params)
                 _tell(study, trial, state=optuna.trial.TrialState.PRUNED)
             else:
-                record_outcome(trial, outcome)
-                _tell(study, trial, outcome.value)
+                record_outcome(trial, outcome, params)
+                _tell(study, trial, trial_values(config, outcome, params))
         outcomes += results
     return outcomes
 
@@ -341,7 +374,7 @@ def optimize_in_packs(
 def _tell(
     study: optuna.Study,
     trial: optuna.Trial | int,
-    value: float | None = None,
+    value: float | list[float] | None = None,
     state: optuna.trial.TrialState | None = None,
 ) -> None:
     """``study.tell`` that tolerates an exhausted grid.

@@ -59,6 +59,8 @@ def resolve_devices(spec: str | None) -> list[torch.device]:
 class PackedSweep:
     """Task data, the trial pool, admission, reporter, checkpoints and one worker per device.
 
+    ``specs`` holds each task's resolved definition (lm-eval task, objective metric, direction).
+
     Args:
         config: the sweep file.
         tracker: MLflow tracking (parent run started by the caller); ``None`` records no runs.
@@ -91,11 +93,16 @@ class PackedSweep:
         if any(d.type == "cpu" for d in self.devices):
             use_available_cores()
         self.base = self._load_base(self.devices[0])
+        from plora_hpo.tasks import resolve_task
+
+        self.specs = {task: resolve_task(task, config.custom_tasks) for task in config.tasks}
         first_eval: dict[str, Any] = {}
         self.tasks = {task: self._load_task(task, first_eval) for task in config.tasks}
         self.pool = TrialPool()
         self.reporter: MlflowReporter | NullReporter = (
-            NullReporter() if tracker is None else MlflowReporter(tracker, self.trial_params)
+            NullReporter()
+            if tracker is None
+            else MlflowReporter(tracker, self.trial_params, lambda task: self.specs[task].primary_metric)
         )
         self._started_at = time.monotonic()
         self._pack_ids = itertools.count()
@@ -145,11 +152,11 @@ class PackedSweep:
         return base
 
     def _load_task(self, name: str, eval_tasks: dict[str, Any]) -> TaskData:
-        from plora_hpo.tasks import get_task, load_train_examples
+        from plora_hpo.tasks import load_train_examples
 
         cfg = self.config
         examples = load_train_examples(
-            name,
+            self.specs[name],
             self.base.tokenizer,
             seq_len=cfg.seq_len,
             data_dir=self.data_dir,
@@ -164,14 +171,16 @@ class PackedSweep:
             )
         # built now so missing eval data fails with one clear line; the first worker uses these
         eval_tasks.update(self.build_eval_tasks([name]))
-        return TaskData(examples=examples, metric=get_task(name).primary_metric)
+        return TaskData(examples=examples, metric=self.specs[name].primary_metric)
 
     def build_eval_tasks(self, tasks: Sequence[str] | None = None) -> dict[str, Any]:
         """Fresh lm-eval task objects (they keep per-run state, so each worker gets its own)."""
         from plora_hpo.tasks import build_eval_tasks
 
         return {
-            task: build_eval_tasks(task, data_dir=self.data_dir, num_fewshot=self.config.evaluation.num_fewshot)
+            task: build_eval_tasks(
+                self.specs[task], data_dir=self.data_dir, num_fewshot=self.config.evaluation.num_fewshot
+            )
             for task in (tasks or self.config.tasks)
         }
 

@@ -34,6 +34,32 @@ def _base() -> dict:
     ("mutate", "expected"),
     [
         (lambda d: d.update(tasks=["squad"]), "tasks: unknown task 'squad'"),
+        (
+            lambda d: d.update(tasks=["tickts"], custom_tasks={"tickets": {"lm_eval": "arc_easy"}}),
+            "tasks: unknown task 'tickts'; did you mean 'tickets'?",
+        ),
+        (
+            lambda d: d.update(custom_tasks={"x": {"lm_eval": "arc_easy", "yaml": "x.yaml"}}),
+            "custom_tasks.x: give exactly one of 'lm_eval', 'yaml' or 'train'+'eval', got 'lm_eval' and 'yaml'",
+        ),
+        (lambda d: d.update(custom_tasks={"x": {"train": "a.jsonl"}}), "custom_tasks.x: 'train' needs 'eval'"),
+        (
+            lambda d: d.update(custom_tasks={"x": {"train": "a.jsonl", "eval": "b.jsonl", "choices": ["yes"]}}),
+            "custom_tasks.x: 'choices' needs at least two different answers",
+        ),
+        (
+            lambda d: d.update(custom_tasks={"mrpc": {"lm_eval": "arc_easy"}}),
+            "custom_tasks.mrpc: custom task 'mrpc' has a built-in task's name",
+        ),
+        (
+            lambda d: d.update(custom_tasks={"my task/1": {"lm_eval": "arc_easy"}}),
+            "custom_tasks.my task/1: task name 'my task/1' names studies and folders",
+        ),
+        (lambda d: d.update(objectives=["adapter_params"]), "objectives: objectives must start with 'task'"),
+        (
+            lambda d: d.update(objectives=["task", "adapter_params"], pruning={"pruner": "asha"}),
+            "objectives: pruning needs a single objective",
+        ),
         (lambda d: d.update(target_modules=["qkv"]), "target_modules: unknown target module 'qkv'"),
         (lambda d: d["space"]["rank"].update(choices=[8, -16]), "space.rank: every choice must be > 0"),
         (lambda d: d["space"].update(learning_rate={"low": 0, "high": 1e-3}), "space.learning_rate.low"),

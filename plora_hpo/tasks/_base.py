@@ -55,8 +55,9 @@ class TaskSpec:
         local_files: lm-eval split → file name under ``<data_dir>/<name>/``.
         read_local: turns those files into rows with the columns lm-eval's task expects; None
             when lm-eval can read the files as they are (JSON lines in the right columns).
-        make_config: for tasks plora_hpo defines itself (no ``builtin_config``): writes their
-            data and lm-eval YAML into the cache and returns the YAML's path.
+        make_config: for tasks without a ``builtin_config`` (the synthetic task, the sweep file's
+            own tasks): returns the path of their lm-eval YAML, writing it into the cache if needed.
+        source: where the data of a ``make_config`` task comes from, for logs and errors.
     """
 
     name: str
@@ -70,6 +71,7 @@ class TaskSpec:
     local_files: Mapping[str, str] = field(default_factory=dict)
     read_local: LocalReader | None = None
     make_config: ConfigMaker | None = None
+    source: str = "generated locally"
 
     def local_paths(self, data_dir: Path) -> dict[str, Path]:
         """Where this task's original files are expected inside a data directory."""

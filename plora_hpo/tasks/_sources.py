@@ -33,7 +33,7 @@ class TaskSource:
     """The lm-eval YAML to load for a task, and a phrase saying where its data comes from."""
 
     config_path: Path
-    origin: str  # "hub", "data_dir", or "generated"
+    origin: str  # "hub", "data_dir", or "generated" (a YAML of plora_hpo's or the sweep file's own)
     description: str
 
 
@@ -64,13 +64,13 @@ def builtin_config_path(spec: TaskSpec) -> Path:
 def task_source(spec: TaskSpec, data_dir: str | os.PathLike[str] | None) -> TaskSource:
     """Pick the YAML lm-eval should load for ``spec`` given an optional data directory."""
     if spec.make_config is not None:
-        return TaskSource(spec.make_config(), "generated", "generated locally (synthetic)")
+        return TaskSource(spec.make_config(), "generated", spec.source)
     builtin = builtin_config_path(spec)
     directory = resolve_data_dir(data_dir)
     if directory is None:
         return TaskSource(builtin, "hub", f"the Hugging Face Hub dataset {_hub_dataset(builtin)!r}")
     data_files = local_data_files(spec, directory)
-    return TaskSource(_override_config(spec, builtin, data_files), "data_dir", f"data directory {directory}")
+    return TaskSource(override_config(spec.name, builtin, data_files), "data_dir", f"data directory {directory}")
 
 
 def hub_unreachable_error(spec: TaskSpec, reason: str) -> DataError:
@@ -99,7 +99,7 @@ def local_data_files(spec: TaskSpec, data_dir: Path) -> dict[str, Path]:
     paths = check_local_files(spec, data_dir)
     if spec.read_local is None:
         return paths
-    target = cache_root() / "data" / spec.name / _fingerprint(spec, paths.values())
+    target = cache_root() / "data" / spec.name / fingerprint(spec.name, paths.values())
     reader = spec.read_local
 
     def convert(tmp: Path) -> None:
@@ -117,16 +117,19 @@ def write_jsonl(path: Path, rows: Iterable[Mapping[str, Any]]) -> None:
             handle.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
-def _override_config(spec: TaskSpec, builtin: Path, data_files: Mapping[str, Path]) -> Path:
-    """A YAML that includes lm-eval's task and replaces only its dataset source."""
+def override_config(name: str, included: Path, data_files: Mapping[str, Path], builder: str = "json") -> Path:
+    """A YAML that includes an lm-eval task YAML and replaces only its dataset source.
+
+    ``builder`` is the ``datasets`` builder that reads the files (``json``, ``csv``, ``parquet``).
+    """
     override = {
-        "include": str(builtin),
-        "dataset_path": "json",
+        "include": str(included),
+        "dataset_path": builder,
         "dataset_name": None,
         "dataset_kwargs": {"data_files": {split: str(path) for split, path in data_files.items()}},
     }
-    key = _fingerprint(spec, data_files.values(), extra=json.dumps(override, sort_keys=True))
-    target = cache_root() / "tasks" / spec.name / key
+    key = fingerprint(name, data_files.values(), extra=json.dumps(override, sort_keys=True))
+    target = cache_root() / "tasks" / name / key
 
     def write(tmp: Path) -> None:
         (tmp / "task.yaml").write_text(yaml.safe_dump(override, sort_keys=False))
@@ -134,9 +137,9 @@ def _override_config(spec: TaskSpec, builtin: Path, data_files: Mapping[str, Pat
     return build_atomically(target, write) / "task.yaml"
 
 
-def _fingerprint(spec: TaskSpec, files: Iterable[Path], extra: str = "") -> str:
+def fingerprint(name: str, files: Iterable[Path], extra: str = "") -> str:
     """Content hash of a task's inputs: a changed file never reuses a stale cache entry."""
-    digest = hashlib.sha256(f"{spec.name}\0{FORMAT_VERSION}\0{extra}".encode())
+    digest = hashlib.sha256(f"{name}\0{FORMAT_VERSION}\0{extra}".encode())
     for path in files:
         digest.update(str(path).encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).digest())
