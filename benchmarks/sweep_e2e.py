@@ -610,7 +610,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--configs", type=int, default=32)
     p.add_argument("--pack-size", type=int, default=32)
     p.add_argument("--eval-limit", type=int, default=None, help="eval documents per adapter (default: all)")
-    p.add_argument("--eval-batch-size", type=int, default=64)
+    p.add_argument("--eval-batch-size", type=int, default=64, help="HFLM's batch size (rows of one adapter)")
+    p.add_argument(
+        "--sweep-eval-rows",
+        type=int,
+        default=None,
+        help="the sweep's evaluation.batch_size, rows shared by all adapters (default: HFLM's batch × adapters)",
+    )
     p.add_argument("--sequential", type=int, default=3, help="configs the sequential baseline measures (0: skip)")
     p.add_argument("--colocated-k", type=int, default=8, help="co-located processes (0: skip)")
     p.add_argument("--colocated-configs", type=int, default=8, help="configs the co-located baseline measures")
@@ -656,7 +662,11 @@ def main(argv=None) -> None:
     model_dir = work / "model"
     result["model"] = make_model_dir(args.shape, args.tokenizer, model_dir, device, args.smoke)
     print(f"[model] saved {result['model']['shape']} in {result['model']['seconds']:.1f}s", flush=True)
-    ev = {"batch_size": args.eval_batch_size, **({"limit": args.eval_limit} if args.eval_limit else {})}
+    # lm-eval's batch size counts one model's rows; the sweep's counts rows shared by every adapter
+    # scored together, so the same rows per adapter per forward is the baselines' batch × adapters
+    sweep_eval_rows = args.sweep_eval_rows or args.eval_batch_size * min(args.configs, args.pack_size)
+    result["eval_rows_per_forward"] = {"sweep": sweep_eval_rows, "HFLM, one adapter": args.eval_batch_size}
+    ev = {"batch_size": sweep_eval_rows, **({"limit": args.eval_limit} if args.eval_limit else {})}
     sweep_file = write_sweep_file(
         work / "sweep.yaml", model_dir, args.task, args.steps, args.configs, args.pack_size, ev
     )

@@ -145,7 +145,12 @@ class EvalSpec(_Strict):
         description="Score every adapter on the same N evaluation documents: a random sample drawn with the "
         "sweep's seed, stratified by answer for multiple-choice tasks (not the first N rows).",
     )
-    batch_size: int = Field(32, gt=0, description="Rows per forward pass (shared across adapters).")
+    batch_size: int = Field(
+        32,
+        gt=0,
+        description="Rows per forward pass, shared by the adapters scored together (lm-eval's batch size "
+        "counts one model's rows: the same per-adapter batch is that times the adapters, memory permitting).",
+    )
     num_fewshot: int | None = Field(None, ge=0, description="Override the task's few-shot count.")
     max_new_tokens: int = Field(256, gt=0, description="Generation cap for generate_until tasks.")
     bootstrap_iters: int = Field(0, ge=0, description="lm-eval bootstrap iterations for stderr.")
