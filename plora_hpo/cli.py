@@ -173,7 +173,9 @@ def run_sweep(args: argparse.Namespace) -> int:
                 if run.processes
                 else f"{len(run.devices)} device(s)"
             )
-            progress.note(f"packs chosen by the {config.pack.policy} policy on {where}; degree 1: one pack per device")
+            degree = config.pack.degree
+            per_pack = "one pack per device" if degree == 1 else f"each pack split over {degree} devices"
+            progress.note(f"packs chosen by the {config.pack.policy} policy on {where}; degree {degree}: {per_pack}")
             if run.closed_runs:
                 progress.note(f"closed {len(run.closed_runs)} MLflow runs a killed process left RUNNING")
             for task, n in run.retries.items():
