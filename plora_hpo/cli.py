@@ -207,6 +207,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     """Serve a running sweep's study on this machine until its trials are done."""
     from plora_hpo.cluster import SweepWorker
+    from plora_hpo.pack_group import GroupFailed
     from plora_hpo.progress import RichPackProgress
 
     preemption = Preemption().install()
@@ -227,6 +228,11 @@ def run_worker(args: argparse.Namespace) -> int:
         preemption.stop = worker.interrupt
         with progress:
             worker.serve()
+    except GroupFailed as err:
+        raise PloraError(
+            f"worker {worker.label} left study {args.study}: {err}; its trials resume from their last "
+            "checkpoints in another worker, or in a rerun of the sweep"
+        ) from None
     except TrialInterrupted:
         if preemption.signal is None:
             raise

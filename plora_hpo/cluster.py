@@ -143,6 +143,9 @@ class SweepWorker:
                 "and adapters live there) and pass --run-dir with its path here"
             )
         self.run_dir = run_dir
+        devices = resolve_devices(self.device)
+        if config.pack.degree > 1 and len(devices) > 1:  # started by torchrun: each rank its own GPU
+            self.device = str(devices[int(os.environ.get("LOCAL_RANK", "0"))])
         self.channel = join_group(config.pack.degree, resolve_devices(self.device)[0])
         leads = self.channel is None or self.channel.leads
         if leads:  # a follower only makes its leader's engine calls
@@ -205,7 +208,8 @@ class SweepWorker:
             if self.channel.leads:
                 with contextlib.suppress(Exception):  # a follower that is gone needs no stop
                     self.channel.stop()
-            dist.destroy_process_group()
+            with contextlib.suppress(Exception):  # a group that failed may not close cleanly
+                dist.destroy_process_group()
             self.channel = None
         if self.tracker is not None:
             self.tracker.finish()

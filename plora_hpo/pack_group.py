@@ -27,12 +27,18 @@ import torch
 import torch.distributed as dist
 
 from plora_hpo.errors import ConfigError
+from plora_hpo.trials import TrialInterrupted
 
 IDLE_TIMEOUT = timedelta(days=7)
 """How long a follower waits for the leader's next call (the leader may wait that long for
 trials); a leader that dies ends the wait at once (its connections close)."""
 STOP = "stop"
 """The call that ends a follower: the leader's worker is done."""
+
+
+class GroupFailed(TrialInterrupted):
+    """A pack's tensor-parallel group failed (a rank died or ran out of memory): its trials go
+    back to the study and resume from their last checkpoints; the group's leader stops."""
 
 
 def group_environment(rank: int, degree: int, port: int) -> dict[str, str]:

@@ -47,7 +47,7 @@ from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, Pac
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.errors import CheckpointError, first_line
-from plora_hpo.pack_group import STOP
+from plora_hpo.pack_group import STOP, GroupFailed
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps
 from plora_hpo.timeline import phase
@@ -281,7 +281,7 @@ class DeviceWorker:
             except _Shutdown:
                 self._interrupt_parked()
                 return
-            except _GroupFailed:
+            except GroupFailed:
                 return
             except BaseException as err:  # a pack that could not start: its waiting trials get the error
                 log.exception("%s: a pack failed to start", self.name)
@@ -321,10 +321,6 @@ class DeviceWorker:
 
 class _Shutdown(Exception):
     """The sweep is closing: the worker stops at its next look at the queue."""
-
-
-class _GroupFailed(Exception):
-    """The pack's tensor-parallel group is out of step or gone: the worker stops."""
 
 
 _NEW_PACK = "new_pack"
@@ -639,15 +635,15 @@ class _Pack:
         its trials, and those still waiting, go back to resume from their last checkpoints
         elsewhere, and this worker stops."""
         log.error("%s: the tensor-parallel group failed: %s", self.pack_id, first_line(err))
-        why = f"the tensor-parallel group of {self.worker.name} failed ({type(err).__name__}: {first_line(err)})"
+        why = f"the tensor-parallel group of {self.pack_id} failed ({type(err).__name__}: {first_line(err)})"
         for adapter_id, slot in list(self.slots.items()):
             with contextlib.suppress(Exception):  # the first error is the one to report
                 self.reporter.trial_interrupted(slot)
-            slot.ticket.fail(TrialInterrupted(f"{adapter_id}: {why}; it resumes from its last checkpoint"))
+            slot.ticket.fail(GroupFailed(f"{adapter_id}: {why}; it resumes from its last checkpoint"))
             del self.slots[adapter_id]
         for ticket in self.worker.pool.close():
-            ticket.fail(TrialInterrupted(f"{ticket.request.adapter_id}: {why}"))
-        raise _GroupFailed(why) from err
+            ticket.fail(GroupFailed(f"{ticket.request.adapter_id}: {why}"))
+        raise GroupFailed(why) from err
 
     def _furthest_step(self) -> int:
         """Packed steps until the last current member finishes (the progress bar's total)."""

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import optuna
@@ -126,3 +127,47 @@ def test_a_degree_two_sweep_equals_the_same_sweep_at_degree_one(tmp_path, tiny_l
         assert two.user_attrs["metrics"] == one.user_attrs["metrics"] and two.value == one.value
         adapter = Path(two.user_attrs["adapter_dir"]) / "adapter_model.safetensors"
         assert adapter.is_file(), two.user_attrs["adapter_dir"]
+
+
+def _follower(sweep: subprocess.Popen) -> int | None:
+    """The pid of the sweep's worker process of rank 1 (its group's follower), once it runs."""
+    children = Path(f"/proc/{sweep.pid}/task/{sweep.pid}/children")
+    for pid in children.read_text().split() if children.exists() else []:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"RANK=1" in environ:
+            return int(pid)
+    return None
+
+
+def test_a_killed_follower_ends_its_group_and_a_rerun_resumes_the_trials(tmp_path, tiny_llama):
+    run_dir = tmp_path / "runs"
+    path = sweep_file(tmp_path, tiny_llama, 2)
+    data = yaml.safe_load(path.read_text())
+    data["budget"] = {"steps": 150}
+    path.write_text(yaml.safe_dump(data))
+    argv = ["sweep", str(path), "--run-dir", str(run_dir), "--device", "cpu,cpu"]
+    sweep = start(argv, tmp_path / "sweep.log")
+    checkpoints = run_dir / "checkpoints" / "tp2-synthetic"
+    deadline = time.monotonic() + 300
+    while len(list(checkpoints.glob("t*.pt"))) < 4:
+        assert sweep.poll() is None, (tmp_path / "sweep.log").read_text()[-3000:]
+        assert time.monotonic() < deadline, (tmp_path / "sweep.log").read_text()[-3000:]
+        time.sleep(0.2)
+    follower = _follower(sweep)
+    assert follower is not None
+    os.kill(follower, signal.SIGKILL)
+    assert finish(sweep, tmp_path / "sweep.log") == 2
+    log = (tmp_path / "sweep.log").read_text()
+    assert "every worker process stopped" in log and "rerun the same command" in log, log[-3000:]
+    assert completed(run_dir, "tp2") == {}
+
+    rerun = start(argv, tmp_path / "rerun.log")
+    assert finish(rerun, tmp_path / "rerun.log") == 0, (tmp_path / "rerun.log").read_text()[-3000:]
+    done = completed(run_dir, "tp2")
+    assert sorted(done) == [0, 1, 2, 3]
+    assert all(t.user_attrs["resumed_from_step"] >= 2 for t in done.values()), [
+        t.user_attrs["resumed_from_step"] for t in done.values()
+    ]
