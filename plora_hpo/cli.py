@@ -173,7 +173,9 @@ def run_sweep(args: argparse.Namespace) -> int:
                 if run.processes
                 else f"{len(run.devices)} device(s)"
             )
-            progress.note(f"packs chosen by the {config.pack.policy} policy on {where}; degree 1: one pack per device")
+            degree = config.pack.degree
+            per_pack = "one pack per device" if degree == 1 else f"each pack split over {degree} devices"
+            progress.note(f"packs chosen by the {config.pack.policy} policy on {where}; degree {degree}: {per_pack}")
             if run.closed_runs:
                 progress.note(f"closed {len(run.closed_runs)} MLflow runs a killed process left RUNNING")
             for task, n in run.retries.items():
@@ -205,6 +207,7 @@ def run_sweep(args: argparse.Namespace) -> int:
 def run_worker(args: argparse.Namespace) -> int:
     """Serve a running sweep's study on this machine until its trials are done."""
     from plora_hpo.cluster import SweepWorker
+    from plora_hpo.pack_group import GroupFailed
     from plora_hpo.progress import RichPackProgress
 
     preemption = Preemption().install()
@@ -225,6 +228,11 @@ def run_worker(args: argparse.Namespace) -> int:
         preemption.stop = worker.interrupt
         with progress:
             worker.serve()
+    except GroupFailed as err:
+        raise PloraError(
+            f"worker {worker.label} left study {args.study}: {err}; its trials resume from their last "
+            "checkpoints in another worker, or in a rerun of the sweep"
+        ) from None
     except TrialInterrupted:
         if preemption.signal is None:
             raise

@@ -11,6 +11,11 @@ its trials' heartbeats, and its trials continue from their checkpoints in anothe
 the run directory must be one every worker reads and writes (a shared file system).
 
 :func:`start_local_workers` is how ``plora-hpo sweep`` runs one such worker process per device.
+
+With ``pack.degree`` d > 1 a worker is a group of d processes, one per device, that train each
+pack together (:mod:`plora_hpo.pack_group`): its rank 0 serves the study as above, the others
+follow it. The sweep starts its local groups itself; on another machine, ``torchrun
+--nproc-per-node d -m plora_hpo.cli worker ...`` starts one.
 """
 
 from __future__ import annotations
@@ -28,13 +33,15 @@ from os import PathLike
 from pathlib import Path
 
 import optuna
+import torch.distributed as dist
 
 from plora_hpo.config import SweepConfig, load_sweep
 from plora_hpo.errors import PloraError
+from plora_hpo.pack_group import PackChannel, group_environment, join_group
 from plora_hpo.run_state import differences
 from plora_hpo.storage import HEARTBEAT_SECONDS, N_TRIALS_ATTR, open_storage
 from plora_hpo.study import PackedObjective, create_study, serve
-from plora_hpo.sweep import PackedSweep
+from plora_hpo.sweep import PackedSweep, resolve_devices
 from plora_hpo.tracking import SweepTracker
 from plora_hpo.trials import PackProgress
 
@@ -102,6 +109,7 @@ class SweepWorker:
         self.n_trials = 0
         self.sweep: PackedSweep | None = None
         self.tracker: SweepTracker | None = None
+        self.channel: PackChannel | None = None  # this process's tensor-parallel group, if any
 
     def open(self) -> SweepWorker:
         """Read the sweep from the study, load the base model and data, attach to its MLflow run.
@@ -135,10 +143,17 @@ class SweepWorker:
                 "and adapters live there) and pass --run-dir with its path here"
             )
         self.run_dir = run_dir
-        self.study = create_study(config, task, storage)
-        self.tracker = SweepTracker(self.mlflow_uri or attrs["mlflow_tracking_uri"], config.name, artifact_root=run_dir)
-        self.tracker.attach(attrs["mlflow_parent_run_id"])
-        self.progress.note(f"{self.label}: serving study {self.study_name} from {self.storage_url}")
+        devices = resolve_devices(self.device)
+        if config.pack.degree > 1 and len(devices) > 1:  # started by torchrun: each rank its own GPU
+            self.device = str(devices[int(os.environ.get("LOCAL_RANK", "0"))])
+        self.channel = join_group(config.pack.degree, resolve_devices(self.device)[0])
+        leads = self.channel is None or self.channel.leads
+        if leads:  # a follower only makes its leader's engine calls
+            self.study = create_study(config, task, storage)
+            tracking_uri = self.mlflow_uri or attrs["mlflow_tracking_uri"]
+            self.tracker = SweepTracker(tracking_uri, config.name, artifact_root=run_dir)
+            self.tracker.attach(attrs["mlflow_parent_run_id"])
+            self.progress.note(f"{self.label}: serving study {self.study_name} from {self.storage_url}")
         self.sweep = PackedSweep(
             config.model_copy(update={"tasks": [task]}),
             tracker=self.tracker,
@@ -147,8 +162,10 @@ class SweepWorker:
             device=self.device,
             progress=self.progress,
             label=self.label,
+            channel=self.channel,
         )
-        if "eval_documents" not in attrs:
+        if leads and "eval_documents" not in attrs:
+            assert self.study is not None
             self.study.set_user_attr("eval_documents", self.sweep.eval_documents()[task])
         self.task = task
         self.n_trials = int(attrs[N_TRIALS_ATTR])
@@ -167,8 +184,13 @@ class SweepWorker:
             )
 
     def serve(self) -> None:
-        """Train the study's trials until the sweep's target is finished by all its processes."""
-        assert self.study is not None and self.sweep is not None, "open() first"
+        """Train the study's trials until the sweep's target is finished by all its processes (a
+        follower of a tensor-parallel group: until its leader is done)."""
+        assert self.sweep is not None, "open() first"
+        if self.channel is not None and not self.channel.leads:
+            self.sweep.workers[0].follow()
+            return
+        assert self.study is not None
         serve(self.study, PackedObjective(self.sweep, self.task), n_trials=self.n_trials)
 
     def interrupt(self) -> None:
@@ -182,6 +204,13 @@ class SweepWorker:
         deliver what this worker logged; the sweep's parent run stays open."""
         if self.sweep is not None:
             self.sweep.close()
+        if self.channel is not None:
+            if self.channel.leads:
+                with contextlib.suppress(Exception):  # a follower that is gone needs no stop
+                    self.channel.stop()
+            with contextlib.suppress(Exception):  # a group that failed may not close cleanly
+                dist.destroy_process_group()
+            self.channel = None
         if self.tracker is not None:
             self.tracker.finish()
 
@@ -190,6 +219,12 @@ class SweepWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:
@@ -215,15 +250,21 @@ def start_local_workers(
     data_dir: str | None,
     mlflow_uri: str,
     heartbeat: float,
+    degree: int = 1,
 ) -> list[subprocess.Popen]:
     """One ``plora-hpo worker`` process per device of this machine, each seeing only its GPU
-    (``CUDA_VISIBLE_DEVICES``) or, on the CPU, its share of the cores."""
+    (``CUDA_VISIBLE_DEVICES``) or, on the CPU, its share of the cores; with ``degree`` > 1, each
+    ``degree`` consecutive devices form one tensor-parallel group (a rendezvous port of its own)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpu_ids = visible.split(",") if visible else None
     cpu_workers = sum(d.startswith("cpu") for d in devices)
     procs = []
-    for device in devices:
+    port = 0
+    for i, device in enumerate(devices):
         env = dict(os.environ)
+        if degree > 1:
+            port = _free_port() if i % degree == 0 else port
+            env.update(group_environment(i % degree, degree, port))
         if device.startswith("cuda"):
             index = int(device.partition(":")[2] or 0)
             env["CUDA_VISIBLE_DEVICES"] = gpu_ids[index] if gpu_ids else str(index)

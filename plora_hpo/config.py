@@ -181,6 +181,21 @@ class PackSpec(_Strict):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer in the backward: less activation memory, ~1/3 more compute."
     )
+    degree: int = Field(
+        1,
+        ge=1,
+        description="Devices (and worker processes) that train one pack together by tensor parallelism: the "
+        "base model's attention and MLP projections are split over them, so a model too large for one device "
+        "fits, and each pack step uses all of them. A power of two that divides the model's attention and "
+        "key-value heads; the devices given are grouped into packs of this many. 1 = one pack per device.",
+    )
+
+    @field_validator("degree")
+    @classmethod
+    def _power_of_two(cls, value: int) -> int:
+        if value & (value - 1):
+            raise ValueError(f"must be a power of two (1, 2, 4, 8, ...), got {value}")
+        return value
 
 
 class TrainSpec(_Strict):

@@ -41,6 +41,7 @@ def check_sweep_inputs(
     check_run_dir_writable(run_dir)
     _check_device(device)
     _check_model(config.model)
+    _check_degree(config, device)
     custom = [t for t in config.tasks if t in config.custom_tasks]
     if custom:
         from plora_hpo.tasks import resolve_task
@@ -116,6 +117,39 @@ def _check_model(model: str) -> None:
     if model.lower() == EMBEDDED_NAME or model.startswith("random:"):
         return  # embedded / random shapes are checked when they load (no download, fast)
     _resolve_config(model)  # a missing folder, or a hub id that cannot be found: one-line ModelError
+
+
+def _check_degree(config: SweepConfig, device: str | None) -> None:
+    """``pack.degree`` must divide the model's heads, and the devices must form whole groups of it."""
+    from types import SimpleNamespace
+
+    from plora_hpo.engine.tensor_parallel import check_degree
+    from plora_hpo.errors import ConfigError
+    from plora_hpo.models import EMBEDDED_NAME, _resolve_config
+    from plora_hpo.shapes import shape_by_name
+    from plora_hpo.sweep import resolve_devices
+
+    degree = config.pack.degree
+    if degree == 1:
+        return
+    devices = resolve_devices(device)
+    if len(devices) % degree:
+        raise ConfigError(
+            f"pack.degree {degree} trains each pack on {degree} devices, but --device gives {len(devices)} "
+            f"({', '.join(map(str, devices))}); pass a multiple of {degree} devices (e.g. "
+            f"{','.join(f'cuda:{i}' for i in range(degree))}) or lower pack.degree"
+        )
+    if config.model.lower() == EMBEDDED_NAME or config.model.startswith("random:"):
+        shape = shape_by_name(config.model.lower())
+        model_config: object = SimpleNamespace(
+            num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate
+        )
+    else:
+        model_config = _resolve_config(config.model)[1]
+    try:
+        check_degree(model_config, degree)
+    except ValueError as err:
+        raise ConfigError(f"pack.degree {degree} does not fit model {config.model!r}: {err}") from None
 
 
 def _missing_sqlite_folder(url: str, run_dir: Path) -> Path | None:

@@ -41,7 +41,7 @@ import optuna
 from plora_hpo.checkpoints import CheckpointStore
 from plora_hpo.cluster import describe_for_workers, set_target, start_local_workers
 from plora_hpo.config import SweepConfig
-from plora_hpo.errors import PloraError
+from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.ownership import RunDirOwner
 from plora_hpo.preflight import check_sweep_inputs
 from plora_hpo.run_state import RunState, check_resumable
@@ -91,7 +91,8 @@ class SweepRun:
         sweep_file: the file ``config`` came from, recorded with the studies and the MLflow run.
         heartbeat: seconds between the heartbeats of trials in training (see :mod:`plora_hpo.storage`).
         processes: train in one worker process per device (default: when there are several
-            devices); otherwise one thread per device in this process.
+            devices; always with ``pack.degree`` > 1, whose groups are processes); otherwise one
+            thread per device in this process.
 
     Attributes (after :meth:`open`):
         sweep: the packed sweep (workers, trial pool) the studies' trials train on; None when
@@ -151,6 +152,11 @@ class SweepRun:
         written then (a run directory this call created is removed again).
         """
         config, run_dir = self.config, self.run_dir
+        if config.pack.degree > 1 and self.processes is False:
+            raise ConfigError(
+                f"pack.degree {config.pack.degree} trains each pack on a group of worker processes; "
+                "leave out --workers threads"
+            )
         # bad device/model/data/URIs, a changed resume and corrupt checkpoints stop here, read-only
         check_sweep_inputs(
             config,
@@ -179,7 +185,7 @@ class SweepRun:
             )
             devices = resolve_devices(self.device)
             if self.processes is None:
-                self.processes = len(devices) > 1
+                self.processes = len(devices) > 1 or config.pack.degree > 1
             self.devices = [str(d) for d in devices]
             if not self.processes:
                 self.progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
@@ -290,6 +296,7 @@ class SweepRun:
             data_dir=self.data_dir,
             mlflow_uri=self.tracker.tracking_uri,
             heartbeat=self.heartbeat,
+            degree=self.config.pack.degree,
         )
         self.worker_processes = procs
         try:

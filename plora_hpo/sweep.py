@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,6 +29,9 @@ from plora_hpo.resources import DeviceResources, TaskData, device_spec, total_st
 from plora_hpo.tracking import SweepTracker
 from plora_hpo.trials import PackProgress, TrialInterrupted, TrialOutcome, TrialPool, TrialRequest, TrialTicket
 from plora_hpo.worker import DeviceWorker
+
+if TYPE_CHECKING:
+    from plora_hpo.pack_group import PackChannel
 
 
 def resolve_devices(spec: str | None) -> list[torch.device]:
@@ -70,6 +73,8 @@ class PackedSweep:
         progress: front-end hooks (progress bars).
         label: names this process among several serving one study (a worker process): it is in
             every pack id (``pack-3@<label>``) and its pack record goes to ``packs/<label>/``.
+        channel: this process's tensor-parallel group (:mod:`plora_hpo.pack_group`), on one
+            device: the base replica is split over the group, and the worker leads or follows it.
     """
 
     def __init__(
@@ -82,14 +87,18 @@ class PackedSweep:
         device: str | None = None,
         progress: PackProgress | None = None,
         label: str | None = None,
+        channel: PackChannel | None = None,
     ) -> None:
         self.config = config
+        self.channel = channel
         self.label = label
         self.tracker = tracker
         self.run_dir = run_dir
         self.data_dir = data_dir
         self.progress = progress or PackProgress()
         self.devices = resolve_devices(device)
+        if channel is not None and len(self.devices) != 1:
+            raise ConfigError(f"--device {device}: a process of a tensor-parallel group trains on one device")
         if any(d.type == "cpu" for d in self.devices):
             use_available_cores()
         self.base = self._load_base(self.devices[0])
@@ -134,6 +143,7 @@ class PackedSweep:
                     progress=self.progress,
                     pack_id=self._next_pack_id,
                     clock=self._clock,
+                    channel=channel,
                 )
             )
 
@@ -149,6 +159,10 @@ class PackedSweep:
                 f"model {cfg.model!r} has no tokenizer (random-init shapes are for benchmarks); "
                 "use 'smollm2-135m', a hub id or a local model directory"
             )
+        if self.channel is not None:
+            from plora_hpo.engine.tensor_parallel import shard_model
+
+            shard_model(base.model)
         return base
 
     def _load_task(self, name: str, eval_tasks: dict[str, Any]) -> TaskData:

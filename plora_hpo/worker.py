@@ -17,10 +17,18 @@ memory estimate) train on, the others wait in host memory and rejoin when room f
 
 Everything the worker tells the outside goes through its reporter, progress hooks and trial
 tickets; it never calls back into the sweep that built it.
+
+In a tensor-parallel group (``pack.degree`` > 1, :mod:`plora_hpo.pack_group`) the leader's worker
+runs this loop and sends each engine call of its packs to the followers, whose workers
+:meth:`~DeviceWorker.follow` it: the same adapters join and leave, every step, score, checkpoint
+capture and export runs on every rank. A pack whose group fails (a follower died, a rank ran
+out of memory) hands its trials back to resume from their last checkpoints, and the leader stops.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import logging
 import threading
 import time
@@ -39,15 +47,18 @@ from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, Pac
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.errors import CheckpointError, first_line
+from plora_hpo.pack_group import STOP, GroupFailed
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps
 from plora_hpo.timeline import phase
 from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
 
 if TYPE_CHECKING:
+    from plora_hpo.adapter import AdapterConfig
     from plora_hpo.checkpoints import CheckpointStore
     from plora_hpo.config import SweepConfig
     from plora_hpo.engine import PackStats
+    from plora_hpo.pack_group import PackChannel
     from plora_hpo.trials import TrialRequest, TrialTicket
 
 log = logging.getLogger(__name__)
@@ -101,6 +112,8 @@ class DeviceWorker:
         scorer: scores adapters (default: the tasks' lm-eval definitions in ``resources.eval_tasks``
             with the sweep's evaluation settings, many adapters per batch).
         exporter: writes a finished adapter (default: PEFT's format, loadable by ``PeftModel``).
+        channel: this process's tensor-parallel group (None: the pack trains on this device alone);
+            the leader's worker serves the pool, a follower's :meth:`follow`\ s the leader.
     """
 
     def __init__(
@@ -118,6 +131,7 @@ class DeviceWorker:
         clock: Callable[[], float],
         scorer: AdapterScorer | None = None,
         exporter: AdapterExporter | None = None,
+        channel: PackChannel | None = None,
     ) -> None:
         from plora_hpo.planner import CostModel, Workload, load_calibration
         from plora_hpo.planner.model_names import shape_name_for_shape
@@ -132,6 +146,7 @@ class DeviceWorker:
         self.progress = progress
         self.new_pack_id = pack_id
         self.clock = clock
+        self.channel = channel
         self.score: AdapterScorer = scorer or self._lm_eval_scores
         self._samples: dict[tuple[str, int], dict[str, list[int]] | None] = {}
         self.export: AdapterExporter = exporter or self._peft_export
@@ -266,10 +281,30 @@ class DeviceWorker:
             except _Shutdown:
                 self._interrupt_parked()
                 return
+            except GroupFailed:
+                return
             except BaseException as err:  # a pack that could not start: its waiting trials get the error
                 log.exception("%s: a pack failed to start", self.name)
                 while self.parked:
                     self.parked.popleft()[0].fail(err)
+
+    def follow(self) -> None:
+        """A follower rank of a tensor-parallel group: make the leader's pack engine calls, in its
+        order, until the leader is done (a leader that dies ends this with its connection error)."""
+        assert self.channel is not None and not self.channel.leads, "only a follower follows"
+        pack: _Pack | None = None
+        while True:
+            name, args = self.channel.receive()
+            if name == STOP:
+                return
+            if name == _NEW_PACK:
+                pack = _Pack(self)
+                continue
+            assert pack is not None and name in _REPLAYED, name
+            try:
+                getattr(pack, name)(*args)
+            except Exception as err:  # the leader's call raised the same, and it handles that
+                log.info("%s: the leader's %s raised %s", self.name, name, first_line(err))
 
     def _interrupt_parked(self) -> None:
         """The sweep is closing: trials waiting for room keep their state for a rerun."""
@@ -288,11 +323,32 @@ class _Shutdown(Exception):
     """The sweep is closing: the worker stops at its next look at the queue."""
 
 
+_NEW_PACK = "new_pack"
+_REPLAYED: set[str] = set()
+
+
+def _replayed(method: Callable[..., Any]) -> Callable[..., Any]:
+    """An engine call of a pack that every rank of a tensor-parallel group makes: on the leader
+    it is first sent to the followers (its arguments pickled), which make it on their own pack."""
+    _REPLAYED.add(method.__name__)
+
+    @functools.wraps(method)
+    def call(pack: _Pack, *args: Any) -> Any:
+        channel = pack.worker.channel
+        if channel is not None and channel.leads:
+            channel.send(method.__name__, args)
+        return method(pack, *args)
+
+    return call
+
+
 class _Pack:
     """One pack's life on a worker: from its first admitted trial until it has none left."""
 
     def __init__(self, worker: DeviceWorker) -> None:
         self.worker = worker
+        if worker.channel is not None and worker.channel.leads:
+            worker.channel.send(_NEW_PACK, ())
         self.config = worker.config
         self.reporter = worker.reporter
         self._pack_id: str | None = None
@@ -312,6 +368,55 @@ class _Pack:
         self._segment: PackSegment | None = None
         self._joined: list[str] = []
         self._reported_at = time.monotonic()
+
+    # --- engine calls (made by every rank of a tensor-parallel group) ---------------------------
+    @_replayed
+    def add_adapter(
+        self, adapter_id: str, task: str, config: AdapterConfig, steps: int, state: AdapterState | None
+    ) -> None:
+        """Train a new adapter, or one from its saved ``state``, for ``steps`` steps on ``task``."""
+        job = AdapterJob(adapter_id, config, self.worker.resources.tasks[task].examples, steps)
+        if state is None:
+            self.trainer.add_job(job)
+        else:
+            restore(self.trainer, job, state)
+
+    @_replayed
+    def stop_training(self, adapter_id: str) -> None:
+        """Out of the trainer; its weights stay in the model (to score and export)."""
+        self.trainer.remove_job(adapter_id)
+
+    @_replayed
+    def drop_adapter(self, adapter_id: str) -> None:
+        """Out of the trainer and out of the model, whichever it is still in."""
+        if adapter_id in self.trainer.jobs:
+            self.trainer.remove_job(adapter_id)
+        if adapter_id in self.worker.packed.configs:
+            self.worker.packed.remove_adapter(adapter_id)
+
+    @_replayed
+    def train_step(self) -> list[StepReport]:
+        with phase("train"):
+            return self.trainer.step()
+
+    @_replayed
+    def undo_step(self, positions: dict[str, tuple[int, int]]) -> None:
+        abort_step(self.trainer, positions)
+
+    @_replayed
+    def capture_state(self, adapter_id: str, curve: list[tuple[int, float, float]]) -> AdapterState:
+        with phase("checkpoint"):
+            return capture(self.trainer, adapter_id, curve)
+
+    @_replayed
+    def score(self, task: str, adapter_ids: list[str], limit: int | None) -> dict[str, dict[str, float]]:
+        with phase("evaluate"):
+            return self.worker.score(self.worker.packed, adapter_ids, task, limit)
+
+    @_replayed
+    def export_adapter(self, adapter_id: str, directory: Path) -> Path:
+        with phase("export"):
+            return self.worker.export(self.worker.packed, adapter_id, directory)
 
     @property
     def pack_id(self) -> str:
@@ -396,32 +501,21 @@ class _Pack:
                     saved_run_id = extra.get("run_id")
             with phase("mlflow"):
                 run_id = self.reporter.trial_started(request, saved_run_id or request.run_id, self.pack_id)
-            job = AdapterJob(
-                request.adapter_id,
-                request.config,
-                self.worker.resources.tasks[request.task].examples,
-                self.worker.total_steps(request),
-            )
-            if state is None:
-                self.trainer.add_job(job)
-            else:
-                try:
-                    restore(self.trainer, job, state)
-                except ValueError as err:
-                    if not from_disk:
-                        raise
-                    raise CheckpointError(
-                        f"{store.path(request.lineage)} does not fit this sweep ({err}); "
-                        "delete it to retrain that trial from step 0"
-                    ) from None
+            steps = self.worker.total_steps(request)
+            try:
+                self.add_adapter(request.adapter_id, request.task, request.config, steps, state)
+            except ValueError as err:
+                if not from_disk:
+                    raise
+                raise CheckpointError(
+                    f"{store.path(request.lineage)} does not fit this sweep ({err}); "
+                    "delete it to retrain that trial from step 0"
+                ) from None
         except BaseException as err:
             ticket.fail(err)
             if run_id is not None:
                 self.reporter.trial_abandoned(run_id)
-            if request.adapter_id in self.trainer.jobs:
-                self.trainer.remove_job(request.adapter_id)
-            if request.adapter_id in self.worker.packed.configs:
-                self.worker.packed.remove_adapter(request.adapter_id)
+            self.drop_adapter(request.adapter_id)
             return
         slot = _Slot(ticket, run_id)
         if state is not None:
@@ -435,10 +529,7 @@ class _Pack:
 
     def _leave(self, adapter_id: str) -> None:
         """Out of the pack and out of the model (its outcome is already recorded)."""
-        if adapter_id in self.trainer.jobs:
-            self.trainer.remove_job(adapter_id)
-        if adapter_id in self.worker.packed.configs:
-            self.worker.packed.remove_adapter(adapter_id)
+        self.drop_adapter(adapter_id)
         del self.slots[adapter_id]
         self._composition_changed()
 
@@ -506,7 +597,7 @@ class _Pack:
                 if adapter_id in self.trainer.jobs:
                     self.worker.save_checkpoint(
                         slot.request,
-                        capture(self.trainer, adapter_id, slot.curve),
+                        self.capture_state(adapter_id, slot.curve),
                         {"run_id": slot.run_id, "adapter_id": adapter_id},
                     )
             self.worker.writer.flush()  # on disk before anyone may take the trials again
@@ -516,6 +607,8 @@ class _Pack:
                 self._leave(adapter_id)
             raise
         except BaseException as err:  # delivered to every trial of the pack; the worker serves on
+            if self.worker.channel is not None:
+                self._group_failed(err)
             full = isinstance(err, NoSpaceLeft)
             for adapter_id, slot in list(self.slots.items()):
                 slot.ticket.fail(err)
@@ -537,6 +630,21 @@ class _Pack:
             if started:
                 progress.pack_finished(self.pack_id)
 
+    def _group_failed(self, err: BaseException) -> None:
+        """A tensor-parallel pack that raised: its ranks may be out of step (or one is gone), so
+        its trials, and those still waiting, go back to resume from their last checkpoints
+        elsewhere, and this worker stops."""
+        log.error("%s: the tensor-parallel group failed: %s", self.pack_id, first_line(err))
+        why = f"the tensor-parallel group of {self.pack_id} failed ({type(err).__name__}: {first_line(err)})"
+        for adapter_id, slot in list(self.slots.items()):
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                self.reporter.trial_interrupted(slot)
+            slot.ticket.fail(GroupFailed(f"{adapter_id}: {why}; it resumes from its last checkpoint"))
+            del self.slots[adapter_id]
+        for ticket in self.worker.pool.close():
+            ticket.fail(GroupFailed(f"{ticket.request.adapter_id}: {why}"))
+        raise GroupFailed(why) from err
+
     def _furthest_step(self) -> int:
         """Packed steps until the last current member finishes (the progress bar's total)."""
         remaining = [self.trainer.jobs[a].total_steps - self.trainer.steps_done[a] for a in self.trainer.jobs]
@@ -545,12 +653,13 @@ class _Pack:
     def _step(self) -> None:
         positions = stream_positions(self.trainer)
         try:
-            with phase("train"):
-                reports = self.trainer.step()
+            reports = self.train_step()
         except torch.OutOfMemoryError:
+            if self.worker.channel is not None:  # the other ranks may be inside this step's collectives
+                raise
             reports = None  # handled below: the error's traceback keeps the failed step's tensors alive
         if reports is None:
-            abort_step(self.trainer, positions)
+            self.undo_step(positions)
             self._split_after_oom()
             return
         self.packed_steps += 1
@@ -571,7 +680,7 @@ class _Pack:
         done = [a for a in self.trainer.jobs if self.trainer.is_done(a)]
         if done:
             for adapter_id in done:
-                self.trainer.remove_job(adapter_id)
+                self.stop_training(adapter_id)
             self._evaluate_finished(done)
 
     def _report_progress(self) -> None:
@@ -601,14 +710,9 @@ class _Pack:
             if train.checkpoint_every is not None or self.worker.pacer.affordable(size):
                 slot = self.slots[adapter_id]
                 started = time.monotonic()
-                with phase("checkpoint"):
-                    state = capture(self.trainer, adapter_id, slot.curve)
+                state = self.capture_state(adapter_id, slot.curve)
                 self.worker.save_checkpoint(slot.request, state, {"run_id": slot.run_id, "adapter_id": adapter_id})
                 self.worker.pacer.record(size, time.monotonic() - started)
-
-    def _evaluate(self, task: str, adapter_ids: list[str], limit: int | None) -> dict[str, dict[str, float]]:
-        with phase("evaluate"):
-            return self.worker.score(self.worker.packed, adapter_ids, task, limit)
 
     def _metric(self, task: str) -> str:
         return self.worker.resources.tasks[task].metric
@@ -629,13 +733,13 @@ class _Pack:
             return
         for task in sorted({self.slots[a].request.task for a in due}):
             ids = [a for a in due if self.slots[a].request.task == task]
-            metrics = self._evaluate(task, ids, pruning.eval_limit)
+            metrics = self.score(task, ids, pruning.eval_limit)
             for adapter_id in ids:
                 slot, step = self.slots[adapter_id], self.trainer.steps_done[adapter_id]
                 value = metrics[adapter_id][self._metric(task)]
                 slot.intermediate.append((step, value))
                 if slot.request.should_prune(step, value):
-                    self.trainer.remove_job(adapter_id)
+                    self.stop_training(adapter_id)
                     self.reporter.trial_pruned(slot, self.pack_id, step, self._metric(task))
                     self._finish(slot, self._outcome(slot, value=slot.intermediate[-1][1], pruned_at=step))
 
@@ -643,13 +747,10 @@ class _Pack:
         self.worker.progress.evaluating(self.pack_id)
         for task in sorted({self.slots[a].request.task for a in adapter_ids}):
             ids = [a for a in adapter_ids if self.slots[a].request.task == task]
-            metrics = self._evaluate(task, ids, self.config.evaluation.limit)
+            metrics = self.score(task, ids, self.config.evaluation.limit)
             for adapter_id in ids:
                 slot = self.slots[adapter_id]
-                with phase("export"):
-                    adapter_dir = self.worker.export(
-                        self.worker.packed, adapter_id, self.worker.adapter_root / adapter_id
-                    )
+                adapter_dir = self.export_adapter(adapter_id, self.worker.adapter_root / adapter_id)
                 with phase("mlflow"):
                     adapter_dir = self.reporter.trial_completed(
                         slot, self.pack_id, metrics[adapter_id], adapter_dir, self.trainer.stats
@@ -705,7 +806,7 @@ class _Pack:
             torch.cuda.empty_cache()
         if len(ids) == 1:
             slot = self.slots[ids[0]]
-            self.trainer.remove_job(ids[0])
+            self.stop_training(ids[0])
             self._fail(slot, f"{ids[0]}: out of memory on {worker.name} even alone; lower its batch size or rank")
             return
         keep = 1
@@ -720,9 +821,8 @@ class _Pack:
         )
         for adapter_id in reversed(ids[keep:]):  # parked in their original order
             slot = self.slots[adapter_id]
-            state = capture(self.trainer, adapter_id, slot.curve)
-            self.trainer.remove_job(adapter_id)
-            self.worker.packed.remove_adapter(adapter_id)
+            state = self.capture_state(adapter_id, slot.curve)
+            self.drop_adapter(adapter_id)
             del self.slots[adapter_id]
             slot.ticket.request.run_id = slot.run_id
             self.worker.parked.appendleft((slot.ticket, state))

@@ -138,6 +138,41 @@ FAST_SWEEP_CASES = [
         "fix space.learning_rate in",
     ),
     (
+        "pack-degree-not-a-power-of-two",
+        lambda d: _sweep(_mutated(d, lambda c: c["pack"].update(degree=3)), "--device", "cpu,cpu,cpu"),
+        r"pack.degree: must be a power of two",
+        "fix pack.degree in",
+    ),
+    (
+        "pack-degree-not-dividing-the-heads",
+        lambda d: _sweep(_mutated(d, lambda c: c["pack"].update(degree=2)), "--device", "cpu,cpu"),
+        r"pack.degree 2 does not fit model 'smollm2-135m': .* 9 attention heads, 3 key-value heads",
+        "use a degree among 1$",
+    ),
+    (
+        "pack-degree-above-the-devices",
+        lambda d: _sweep(_mutated(d, lambda c: c.update(model="random:qwen2.5-1.5b", pack={"degree": 2}))),
+        r"pack.degree 2 trains each pack on 2 devices, but --device gives 1 \(cpu\)",
+        "pass a multiple of 2 devices .* or lower pack.degree",
+    ),
+    (
+        "devices-not-a-multiple-of-the-degree",
+        lambda d: _sweep(
+            _mutated(d, lambda c: c.update(model="random:qwen2.5-1.5b", pack={"degree": 2})), "--device", "cpu,cpu,cpu"
+        ),
+        r"--device gives 3 \(cpu, cpu, cpu\)",
+        "pass a multiple of 2 devices",
+    ),
+    (
+        "pack-degree-in-threads",
+        lambda d: _sweep(
+            _mutated(d, lambda c: c.update(model="random:qwen2.5-1.5b", pack={"degree": 2})),
+            *("--device", "cpu,cpu", "--workers", "threads"),
+        ),
+        r"pack.degree 2 trains each pack on a group of worker processes",
+        "leave out --workers threads",
+    ),
+    (
         "rank-zero",
         lambda d: _sweep(_mutated(d, lambda c: c["space"]["rank"].update(choices=[0, 16]))),
         r"space.rank: every choice must be > 0",

@@ -9,6 +9,7 @@ loss curve so far.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -60,17 +61,38 @@ def _group_params(trainer: PackedTrainer, adapter_id: str) -> list[torch.nn.Para
     return list(group["params"])
 
 
+def _converted(
+    states: list[dict[str, torch.Tensor]],
+    count: int,
+    convert: Callable[[Sequence[torch.Tensor]], list[torch.Tensor]],
+) -> list[dict[str, torch.Tensor]]:
+    """Optimizer states of one adapter's flat parameters in another layout of ``count`` chunks:
+    ``convert`` maps each moment (one tensor per chunk); the step count is the same for all."""
+    out: list[dict[str, torch.Tensor]] = [{} for _ in range(count)]
+    for key in sorted({k for state in states for k in state}):
+        values = [state[key] for state in states]
+        converted = convert(values) if values[0].dim() == 2 else [values[0]] * count
+        for state, value in zip(out, converted):
+            state[key] = value
+    return out
+
+
 def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, float, float]]) -> AdapterState:
-    """Copy an active adapter's state to host memory (between steps)."""
+    """Copy an active adapter's state to host memory (between steps).
+
+    Under tensor parallelism the weights and AdamW moments are gathered whole, in an unsplit
+    pack's layout (a collective that every rank calls), so the state resumes at any degree."""
     params = _group_params(trainer, adapter_id)
     assert trainer.optimizer is not None
+    packed = trainer.packed
+    states = [dict(trainer.optimizer.state.get(p, {})) for p in params]
+    if packed.parallel is not None:
+        states = _converted(states, len(packed.whole_chunk_widths), packed.whole_rows)
     return AdapterState(
         config=trainer.jobs[adapter_id].config,
         steps_done=trainer.steps_done[adapter_id],
-        weights={k: v.detach().to("cpu", copy=True) for k, v in trainer.packed.state_dict_of(adapter_id).items()},
-        optimizer_state=[
-            {k: v.detach().to("cpu", copy=True) for k, v in trainer.optimizer.state.get(p, {}).items()} for p in params
-        ],
+        weights={k: v.detach().to("cpu", copy=True) for k, v in packed.state_dict_of(adapter_id).items()},
+        optimizer_state=[{k: v.detach().to("cpu", copy=True) for k, v in state.items()} for state in states],
         stream_position=trainer.stream_position(adapter_id),
         curve=list(curve),
     )
@@ -87,13 +109,15 @@ def restore(trainer: PackedTrainer, job: AdapterJob, state: AdapterState) -> Non
     trainer.add_job(job)
     trainer.packed.load_state_dict_of(job.adapter_id, state.weights)
     params = _group_params(trainer, job.adapter_id)
-    if len(params) != len(state.optimizer_state):
-        raise ValueError(
-            f"{job.adapter_id}: saved optimizer state has {len(state.optimizer_state)} tensors, not {len(params)}"
-        )
+    packed, saved_states = trainer.packed, state.optimizer_state
+    expected = len(params) if packed.parallel is None else len(packed.whole_chunk_widths)
+    if len(saved_states) != expected:
+        raise ValueError(f"{job.adapter_id}: saved optimizer state has {len(saved_states)} tensors, not {expected}")
+    if packed.parallel is not None:  # whole moments: this rank keeps its part
+        saved_states = _converted(saved_states, len(params), packed.local_rows)
     assert trainer.optimizer is not None
     on_device_step = bool(trainer.optimizer.defaults.get("fused") or trainer.optimizer.defaults.get("capturable"))
-    for p, saved in zip(params, state.optimizer_state):
+    for p, saved in zip(params, saved_states):
         if saved:
             # copies (AdamW updates its state in place: the saved state must stay as saved); "step"
             # lives on the host unless AdamW is fused or capturable, as AdamW would have made it

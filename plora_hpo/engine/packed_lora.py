@@ -316,6 +316,18 @@ class PackedLoraLinear(nn.Module):
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def _chunk_layout(widths: Sequence[int]) -> tuple[list[tuple[int, int]], list[int]]:
+    """Each layer's (chunk, first column) in a flat storage row and each chunk's width ``W_c``:
+    layers in order, a new chunk whenever the next layer would pass ``_CHUNK_COLUMNS``."""
+    places, chunk_widths = [], [0]
+    for width in widths:
+        if chunk_widths[-1] and chunk_widths[-1] + width > _CHUNK_COLUMNS:
+            chunk_widths.append(0)
+        places.append((len(chunk_widths) - 1, chunk_widths[-1]))
+        chunk_widths[-1] += width
+    return places, chunk_widths
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a Llama-style causal LM (``model.model.layers``)."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
@@ -378,12 +390,14 @@ class PackedLoraModel:
                 self.layers[name] = packed
         if not self.layers:
             raise ValueError(f"no nn.Linear named {list(self.target_modules)} in {type(model).__name__}")
-        self.chunk_widths: list[int] = [0]  # W_c: columns of one rank row of each chunk
-        for layer in self.layers.values():
-            if self.chunk_widths[-1] and self.chunk_widths[-1] + layer.width > _CHUNK_COLUMNS:
-                self.chunk_widths.append(0)
-            layer.chunk, layer.col_a = len(self.chunk_widths) - 1, self.chunk_widths[-1]
-            self.chunk_widths[-1] += layer.width
+        places, self.chunk_widths = _chunk_layout([layer.width for layer in self.layers.values()])
+        for layer, (chunk, col_a) in zip(self.layers.values(), places):
+            layer.chunk, layer.col_a = chunk, col_a
+        # the unsplit model's layout (what a degree-1 pack's flat parameters look like)
+        whole = [(x.in_features, x.out_features) if x.shard is None else (x.shard.in_features, x.shard.out_features)
+                 for x in self.layers.values()]  # fmt: skip
+        whole_places, self.whole_chunk_widths = _chunk_layout([i + o for i, o in whole])
+        self._whole_layout = [(c, col, i, o) for (c, col), (i, o) in zip(whole_places, whole)]
         self._parallel_columns: StorageColumns | None = None
         if self.parallel is not None:
             self._parallel_columns = tensor_parallel.storage_columns(
@@ -450,6 +464,37 @@ class PackedLoraModel:
             ):
                 return False
         return True
+
+    def whole_rows(self, local: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Tensors shaped like an adapter's flat parameters under tensor parallelism (its AdamW
+        moments, say) in the unsplit model's layout, what a degree-1 pack holds: each rank's split
+        factors are gathered (a collective that every rank of the group calls)."""
+        assert self.parallel is not None, "a whole model's rows are already whole"
+        parts = [(name, x.shard, *self._views(local, x)) for name, x in self.layers.items()]
+        factors = tensor_parallel.gather_factors(self.parallel, parts)
+        rank, like = local[0].shape[0], local[0]
+        whole = [torch.empty(rank, w, dtype=like.dtype, device=like.device) for w in self.whole_chunk_widths]
+        for name, (chunk, col_a, d_in, d_out) in zip(self.layers, self._whole_layout):
+            whole[chunk][:, col_a : col_a + d_in] = factors[f"{name}.lora_A.weight"]
+            whole[chunk][:, col_a + d_in : col_a + d_in + d_out] = factors[f"{name}.lora_B.weight"].t()
+        return whole
+
+    def local_rows(self, whole: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The inverse of :meth:`whole_rows`: this rank's part, in its flat parameters' layout."""
+        assert self.parallel is not None, "a whole model's rows need no split"
+        if len(whole) != len(self.whole_chunk_widths):
+            raise ValueError(f"{len(whole)} row tensors given for a layout of {len(self.whole_chunk_widths)} chunks")
+        rank, like = whole[0].shape[0], whole[0]
+        local = [torch.empty(rank, w, dtype=like.dtype, device=like.device) for w in self.chunk_widths]
+        for layer, (chunk, col_a, d_in, d_out) in zip(self.layers.values(), self._whole_layout):
+            a, b = self._views(local, layer)
+            full_a, full_b = (
+                whole[chunk][:, col_a : col_a + d_in],
+                whole[chunk][:, col_a + d_in : col_a + d_in + d_out].t(),
+            )
+            a.copy_(full_a if layer.shard is None else layer.shard.a_of(full_a))
+            b.copy_(full_b if layer.shard is None else layer.shard.b_of(full_b))
+        return local
 
     def flat_parameters(self, adapter_id: str) -> list[nn.Parameter]:
         """The adapter's factors as a few contiguous ``(rank, W_c)`` fp32 parameters, one per
