@@ -169,7 +169,8 @@ def test_three_kill_9s_then_finish_equal_an_uninterrupted_run(tmp_path):
     assert len(children) == 8 and {r.info.status for r in children.values()} == {"FINISHED"}
     for trial in finished:
         run = children[trial.user_attrs["mlflow_run_id"]]
-        assert run.info.run_name == Path(trial.user_attrs["adapter_dir"]).name  # one name per lineage
+        # one name per lineage: the run, and the run directory's entry for the adapter it stored
+        assert (run_dir / "adapters" / run.info.run_name).resolve() == Path(trial.user_attrs["adapter_dir"])
         history = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
         assert history == list(range(1, steps + 1))  # one point per step across the kills
     assert not list(checkpoints.glob("t*.pt"))
