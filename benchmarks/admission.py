@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (makes plora_hpo.kernels importable from a bare checkout)
+import _bootstrap  # noqa: F401  (makes plora_hpo importable from a bare checkout)
 import optuna
 from planner import configs_of, engine_observations, versions
 

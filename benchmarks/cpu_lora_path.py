@@ -31,7 +31,7 @@ import sys
 import time
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (makes plora_hpo.kernels importable from a bare checkout)
+import _bootstrap  # noqa: F401  (makes plora_hpo importable from a bare checkout)
 import torch
 
 from plora_hpo.kernels.layout import SegmentLayout

@@ -58,7 +58,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import _bootstrap  # noqa: F401  (makes plora_hpo.kernels importable from a bare checkout)
+import _bootstrap  # noqa: F401  (makes plora_hpo importable from a bare checkout)
 import torch
 import transformers
 

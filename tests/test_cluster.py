@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from optuna.trial import TrialState
 
 from plora_hpo.cli import main
 
+from .cli_process import start_cli
 from .test_sweep_e2e import small_sweep
 
 pytestmark = pytest.mark.slow
@@ -28,17 +28,6 @@ SPACE = {
     "learning_rate": {"choices": [2e-5, 1e-4, 4e-4]},
     "batch_size": {"choices": [2]},
 }  # 6 grid points
-
-
-def start(argv: list[str], log: Path) -> subprocess.Popen:
-    """``python -m plora_hpo.cli argv`` in its own process group, one CPU thread, output to ``log``."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "plora_hpo.cli", *argv],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
 
 
 def wait_for(ready, proc: subprocess.Popen, log: Path, timeout: float = 300.0) -> None:
@@ -90,11 +79,11 @@ def test_workers_on_a_shared_postgresql_storage_train_each_trial_once(tmp_path, 
     # the sweep's own pack holds 2 of the 6 trials for 12 steps: time for the workers to load and join
     sweep_file = small_sweep(tmp_path, name=name, space=SPACE, budget={"steps": 12}, pack={"size": 2})
     run_dir = tmp_path / "runs"
-    sweep = start(["sweep", str(sweep_file), "--run-dir", str(run_dir), "--storage", storage, "--device", "cpu",
+    sweep = start_cli(["sweep", str(sweep_file), "--run-dir", str(run_dir), "--storage", storage, "--device", "cpu",
                    "--heartbeat", "2"], tmp_path / "sweep.log")  # fmt: skip
     wait_for(lambda: len(trials(storage, name)) == 6, sweep, tmp_path / "sweep.log")  # the grid is queued
     join = ["worker", "--storage", storage, "--study", f"{name}-synthetic", "--heartbeat", "2"]
-    workers = [start(join, tmp_path / f"worker{i}.log") for i in range(2)]
+    workers = [start_cli(join, tmp_path / f"worker{i}.log") for i in range(2)]
     for proc, log in [(sweep, "sweep.log"), (workers[0], "worker0.log"), (workers[1], "worker1.log")]:
         assert finish(proc, tmp_path / log) == 0, (tmp_path / log).read_text()[-3000:]
 
@@ -114,11 +103,11 @@ def test_a_killed_worker_s_trials_are_re_run_from_their_checkpoints(tmp_path, po
     )  # fmt: skip
     run_dir = tmp_path / "runs"
     checkpoints = run_dir / "checkpoints" / f"{name}-synthetic"
-    sweep = start(["sweep", str(sweep_file), "--run-dir", str(run_dir), "--storage", storage, "--device", "cpu",
+    sweep = start_cli(["sweep", str(sweep_file), "--run-dir", str(run_dir), "--storage", storage, "--device", "cpu",
                    "--heartbeat", "1"], tmp_path / "sweep.log")  # fmt: skip
     wait_for(lambda: len(trials(storage, name)) == 6, sweep, tmp_path / "sweep.log")
     join = ["worker", "--storage", storage, "--study", f"{name}-synthetic", "--heartbeat", "1"]
-    worker = start(join, tmp_path / "worker.log")
+    worker = start_cli(join, tmp_path / "worker.log")
 
     def worker_checkpointed() -> bool:  # both processes train a pack and the worker's has saved
         running = [t for t in trials(storage, name) if t.state == TrialState.RUNNING]
@@ -151,7 +140,7 @@ def test_sigterm_checkpoints_queues_and_closes_then_a_rerun_finishes(tmp_path):
     storage = f"sqlite:///{run_dir / 'optuna.db'}"
     checkpoints = run_dir / "checkpoints" / f"{name}-synthetic"
     log = tmp_path / "sweep.log"
-    sweep = start(["sweep", str(sweep_file), "--run-dir", str(run_dir)], log)
+    sweep = start_cli(["sweep", str(sweep_file), "--run-dir", str(run_dir)], log)
     wait_for(lambda: len(list(checkpoints.glob("t*.pt"))) >= 3, sweep, log)
     os.kill(sweep.pid, signal.SIGTERM)
     assert finish(sweep, log, timeout=120) == 128 + signal.SIGTERM

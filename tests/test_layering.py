@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-ROOTS = {"plora_hpo": REPO / "plora_hpo", "plora_hpo.kernels": REPO / "kernels"}
+ROOTS = {"plora_hpo": REPO / "plora_hpo"}
 
 
 def modules() -> dict[str, Path]:

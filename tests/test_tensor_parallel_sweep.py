@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from mlflow.tracking import MlflowClient
 from optuna.trial import TrialState
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from .cli_process import start_cli
 from .test_sweep_e2e import small_sweep
 
 pytestmark = pytest.mark.slow
@@ -73,16 +73,6 @@ def sweep_file(tmp: Path, model: Path, degree: int, **overrides) -> Path:
     return path
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "plora_hpo.cli", *argv],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "300"},
-    )
-
-
 def finish(proc: subprocess.Popen, log: Path, timeout: float = 600.0) -> int:
     try:
         return proc.wait(timeout)
@@ -113,7 +103,7 @@ def test_a_degree_two_sweep_equals_the_same_sweep_at_degree_one(tmp_path, tiny_l
         run_dir = tmp_path / f"runs{degree}"
         argv = ["sweep", str(sweep_file(tmp_path, tiny_llama, degree)), "--run-dir", str(run_dir)]
         log = tmp_path / f"sweep{degree}.log"
-        proc = start([*argv, "--device", devices], log)
+        proc = start_cli([*argv, "--device", devices], log, COLUMNS="300")
         assert finish(proc, log) == 0, log.read_text()[-3000:]
         runs[degree] = {p: (t, curve(run_dir, t)) for p, t in completed(run_dir, f"tp{degree}").items()}
     assert sorted(runs[2]) == sorted(runs[1]) == [0, 1, 2, 3]
@@ -149,7 +139,7 @@ def test_a_killed_follower_ends_its_group_and_a_rerun_resumes_the_trials(tmp_pat
     data["budget"] = {"steps": 150}
     path.write_text(yaml.safe_dump(data))
     argv = ["sweep", str(path), "--run-dir", str(run_dir), "--device", "cpu,cpu"]
-    sweep = start(argv, tmp_path / "sweep.log")
+    sweep = start_cli(argv, tmp_path / "sweep.log", COLUMNS="300")
     checkpoints = run_dir / "checkpoints" / "tp2-synthetic"
     deadline = time.monotonic() + 300
     while len(list(checkpoints.glob("t*.pt"))) < 4:
@@ -164,7 +154,7 @@ def test_a_killed_follower_ends_its_group_and_a_rerun_resumes_the_trials(tmp_pat
     assert "every worker process stopped" in log and "rerun the same command" in log, log[-3000:]
     assert completed(run_dir, "tp2") == {}
 
-    rerun = start(argv, tmp_path / "rerun.log")
+    rerun = start_cli(argv, tmp_path / "rerun.log", COLUMNS="300")
     assert finish(rerun, tmp_path / "rerun.log") == 0, (tmp_path / "rerun.log").read_text()[-3000:]
     done = completed(run_dir, "tp2")
     assert sorted(done) == [0, 1, 2, 3]

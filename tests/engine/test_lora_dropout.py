@@ -9,13 +9,12 @@ import torch
 from peft import PeftModel
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.engine import AdapterJob, DataStream, PackedLoraModel, PackedTrainer
+from plora_hpo.engine import AdapterJob, PackedLoraModel, PackedTrainer
 from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.engine.lora_dropout import dropout_mask, forward_key
-from plora_hpo.engine.trainer import lr_multiplier
 
 from .conftest import random_examples, tiny_model
-from .test_parity_peft import SETTINGS, TARGETS, rel_err, right_padded
+from .test_parity_peft import SETTINGS, TARGETS, rel_err, train_alone_with_peft
 
 # batch 1: an adapter's rows of a layer input are its one sequence, as in PEFT's (1, T, d) batch
 DROPPED = [
@@ -52,33 +51,18 @@ class _Replay(torch.nn.Module):
 
 
 def _peft_alone(base, init_dir, config, examples, layer_index):
-    model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
+    """PEFT trained alone, its dropout layers drawing the engine's masks for each step."""
     clock = {"step": 0}
-    for name, module in model.named_modules():
-        if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
-            assert module.lora_dropout["default"].p == config.lora_dropout  # the exported config's p
-            module.lora_dropout["default"] = _Replay(config, layer_index[name.removeprefix("base_model.model.")], clock)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=SETTINGS.weight_decay, foreach=True)
-    stream = DataStream(examples, config.seed)
-    losses = []
-    for step in range(STEPS):
-        clock["step"] = step
-        input_ids, mask, labels = right_padded(stream.take(config.batch_size))
-        out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        for group in optimizer.param_groups:
-            group["lr"] = config.learning_rate * lr_multiplier(SETTINGS.lr_schedule, step, STEPS, SETTINGS.warmup_ratio)
-        torch.nn.utils.clip_grad_norm_(params, SETTINGS.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(out.loss))
-    weights = {
-        k.replace("base_model.model.", "", 1).replace(".default", ""): v.detach()
-        for k, v in model.named_parameters()
-        if "lora_" in k
-    }
-    return losses, weights
+
+    def replay_masks(model):
+        for name, module in model.named_modules():
+            if hasattr(module, "lora_dropout") and "default" in module.lora_dropout:
+                assert module.lora_dropout["default"].p == config.lora_dropout  # the exported config's p
+                index = layer_index[name.removeprefix("base_model.model.")]
+                module.lora_dropout["default"] = _Replay(config, index, clock)
+        return lambda step: clock.update(step=step)
+
+    return train_alone_with_peft(base, init_dir, config, examples, STEPS, prepare=replay_masks)
 
 
 def test_packed_dropout_matches_peft_with_the_same_masks(tmp_path):

@@ -57,13 +57,18 @@ def train_packed(base, datasets, tmp_path):
     return losses, final
 
 
-def train_alone_with_peft(base, init_dir, config, examples, steps):
+def train_alone_with_peft(base, init_dir, config, examples, steps, prepare=None):
+    """PEFT's model of the exported adapter, trained alone with torch AdamW; ``prepare(model)``, if
+    given, may change the model and returns a function called with each step's index first."""
     model = PeftModel.from_pretrained(base, init_dir, is_trainable=True)
+    before_step = prepare(model) if prepare is not None else None
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.learning_rate, weight_decay=SETTINGS.weight_decay, foreach=True)
     stream = DataStream(examples, config.seed)
     losses = []
     for step in range(steps):
+        if before_step is not None:
+            before_step(step)
         input_ids, mask, labels = right_padded(stream.take(config.batch_size))
         out = model(input_ids=input_ids, attention_mask=mask, labels=labels)
         out.loss.backward()
