@@ -3,7 +3,7 @@
 Kept apart from the kernels so the benchmark can sweep them and the tests can force the
 split (atomic) paths on a CPU interpreter that would never choose them by itself.
 
-Defaults were picked from H200 sweeps (``benchmarks/kernels.py --sweep``, kernel phases of 7b.up
+Defaults were picked from H200 sweeps (``benchmarks/lora_kernels.py --sweep``, kernel phases of 7b.up
 at K=32; that output is not kept in ``benchmarks/results/``): 128-row tiles for shrink/expand
 (halve the weight re-reads per byte of activations), 8 warps; outer products 64 rows × 128
 columns, 8 warps; expand writes 64-column blocks (at 128 its accumulator alone takes 64

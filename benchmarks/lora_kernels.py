@@ -2,7 +2,7 @@
 
 Usage (GPU)::
 
-    python benchmarks/kernels.py --out $OUT/kernels-h200.json [--sweep]
+    python benchmarks/lora_kernels.py --out $OUT/kernels-h200.json [--sweep]
 
 For every (d_in, d_out) of Qwen2.5-3B/7B attention and MLP projections, K ∈ {1, 2, 8, 32}
 adapters of ``--tokens`` rows each and ranks uniform 16, uniform 64 or mixed 8..128, it times
