@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -145,45 +146,41 @@ def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: st
     return {"hflm": out["results"][task][metric], "seconds": time.perf_counter() - started}
 
 
-def quality(task: str, args: argparse.Namespace, work: Path) -> dict:
+def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: Callable[[], None]) -> None:
+    """Fill ``entry`` stage by stage (search, each seed, the HFLM check), saving after each."""
     from plora_hpo.config import load_sweep
     from plora_hpo.study import study_name
 
-    search_dir = work / f"{task}-search"
+    entry.update(task=task, metric=_primary(task), seconds={})
     file = sweep_file(work / f"{task}-s0.yaml", task, args, 0, SPACE)
-    seconds = {"search": run_sweep(file, search_dir, args, work / f"{task}-search.log")}
-    name = study_name(load_sweep(file), task)
-    search = trials_of(search_dir, name)
+    entry["seconds"]["search"] = run_sweep(file, work / f"{task}-search", args, work / f"{task}-search.log")
+    search = trials_of(work / f"{task}-search", study_name(load_sweep(file), task))
     default = next(r for r in search if same(r["params"], DEFAULT))
     best = max(search, key=lambda r: r["value"])
     seeds = {"default": [default["value"]], "best": [best["value"]]}
+    entry.update(configs=search, best_params=best["params"], seeds=seeds)
+    save()
     for seed in range(1, args.seeds):
         pair = {k: {"choices": sorted({DEFAULT[k], best["params"][k]})} for k in DEFAULT}
         file = sweep_file(work / f"{task}-s{seed}.yaml", task, args, seed, pair)
         run_dir = work / f"{task}-seed{seed}"
-        seconds[f"seed{seed}"] = run_sweep(file, run_dir, args, work / f"{task}-seed{seed}.log")
+        entry["seconds"][f"seed{seed}"] = run_sweep(file, run_dir, args, work / f"{task}-seed{seed}.log")
         rows = trials_of(run_dir, study_name(load_sweep(file), task))
         seeds["default"].append(next(r["value"] for r in rows if same(r["params"], DEFAULT)))
         seeds["best"].append(next(r["value"] for r in rows if same(r["params"], best["params"])))
-    metric = _primary(task)
-    check = hflm_check(task, best["adapter_dir"], args, metric)
+        spread = {k: statistics.stdev(v) for k, v in seeds.items()}
+        gain = statistics.fmean(seeds["best"]) - statistics.fmean(seeds["default"])
+        entry.update(
+            seed_spread=spread,
+            gain_mean_best_minus_default=gain,
+            gain_exceeds_twice_spread=gain > 2 * max(spread.values()),
+        )
+        save()
+    check = hflm_check(task, best["adapter_dir"], args, entry["metric"])
     check["sweep"] = best["value"]
     check["same_documents"] = args.eval_limit is None  # a limit samples the sweep's documents at random
-    spread = {k: statistics.stdev(v) if len(v) > 1 else None for k, v in seeds.items()}
-    gain = statistics.fmean(seeds["best"]) - statistics.fmean(seeds["default"])
-    widest = max((s for s in spread.values() if s is not None), default=None)
-    return {
-        "task": task,
-        "metric": metric,
-        "configs": search,
-        "best_params": best["params"],
-        "seeds": seeds,
-        "seed_spread": spread,
-        "gain_mean_best_minus_default": gain,
-        "gain_exceeds_twice_spread": None if widest is None else gain > 2 * widest,
-        "hflm_check": check,
-        "seconds": seconds,
-    }
+    entry["hflm_check"] = check
+    save()
 
 
 def _primary(task: str) -> str:
@@ -219,12 +216,16 @@ def main(argv: list[str] | None = None) -> None:
         "space": SPACE,
         "tasks": [],
     }
+
+    def save() -> None:  # after every stage: a run cut short keeps what it measured
+        result["elapsed_s"] = time.perf_counter() - began
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="plora-quality-") as tmp:
         for task in args.task:
-            result["tasks"].append(quality(task, args, Path(tmp)))
-            result["elapsed_s"] = time.perf_counter() - began
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(result, indent=1) + "\n")
+            result["tasks"].append({})
+            quality(task, args, Path(tmp), result["tasks"][-1], save)
     print(f"\n=== quality: SmolLM2-135M, {args.steps} steps, seeds {args.seeds}, CPU ===")
     print(f"{'task':6} {'metric':10} {'default':>16} {'best':>16} {'gain':>7} {'> 2x spread':>11}  HFLM check")
     for t in result["tasks"]:
