@@ -27,6 +27,7 @@ from plora_hpo.engine.adapter_state import AdapterState
 log = logging.getLogger(__name__)
 
 MAX_PENDING_BYTES = 4 << 30
+"""Host bytes of captured states a device may queue before a save waits for the writer."""
 
 
 def state_bytes(state: AdapterState) -> int:
