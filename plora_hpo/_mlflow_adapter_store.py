@@ -13,20 +13,18 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from urllib.parse import urlparse
-from urllib.request import url2pathname
+
+from mlflow.utils.file_utils import local_file_uri_to_path
+from mlflow.utils.uri import is_local_uri
 
 __all__ = ["keep_in_store", "local_artifact_dir"]
 
 
 def local_artifact_dir(artifact_uri: str) -> Path | None:
     """The folder of a local artifact URI (``file:///…`` or a plain path); None for any remote store."""
-    parsed = urlparse(artifact_uri)
-    if parsed.scheme == "file" and parsed.netloc in ("", "localhost"):
-        return Path(url2pathname(parsed.path))
-    if parsed.scheme == "" and Path(artifact_uri).is_absolute():
-        return Path(artifact_uri)
-    return None
+    if not is_local_uri(artifact_uri):
+        return None
+    return Path(local_file_uri_to_path(artifact_uri))
 
 
 def keep_in_store(exported: Path, stored: Path) -> Path:
