@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from plora_hpo.kernels import SegmentLayout
@@ -27,13 +28,9 @@ _U64 = 2**64 - 1
 
 
 def _mix(*values: int) -> int:
-    """A well-spread 63-bit seed from small integers (the splitmix64 finaliser, chained)."""
-    h = 0x9E3779B97F4A7C15
-    for value in values:
-        h = ((h ^ (value & _U64)) * 0xBF58476D1CE4E5B9) & _U64
-        h = ((h ^ (h >> 27)) * 0x94D049BB133111EB) & _U64
-        h ^= h >> 31
-    return h >> 1
+    """A well-spread 63-bit seed from small integers (numpy's ``SeedSequence`` hash)."""
+    state = np.random.SeedSequence([v & _U64 for v in values]).generate_state(1, np.uint64)
+    return int(state[0]) >> 1
 
 
 def forward_key(seed: int, step: int, micro_batch: int) -> int:
