@@ -1,16 +1,19 @@
 """Does the search pay? The best config against the common default on real CoLA / MRPC, with seeds.
 
 Runs the real CLI (``plora-hpo sweep``) on the embedded SmolLM2-135M with real GLUE data from a
-data folder, on this machine's CPU (a long run, not CI):
+data folder, on the CPU (a long run, not CI) or a GPU (``--device cuda``):
 
-1. **search**: a grid over a subset of paper120 that contains the default (r 16, alpha 16,
-   lr 2e-4, batch 2) — rank 16 × alpha multiplier {1, 4} × lr {2e-4, 4e-4} × batch {2, 8} —
-   trained ``--steps`` steps, each scored on the task's whole dev set;
-2. **seeds**: the default and the search's best config again with seeds 1 … n-1 (the sweep's
-   ``seed`` sets the adapter init and data order), so each has ``--seeds`` scores; the spread is
-   their sample standard deviation;
+1. **search**: a grid that contains the default (r 16, alpha 16, lr 2e-4, batch 2), trained
+   ``--steps`` steps, each config scored on the task's whole dev set. ``--space subset`` is
+   rank 16 × alpha multiplier {1, 4} × lr {2e-4, 4e-4} × batch {2, 8} (8 configs, for the CPU);
+   ``--space paper120`` is ``search_spaces/paper120.yaml``'s whole 120-config grid;
+2. **seeds**: the same grid under seeds 0 … n-1 (the sweep's ``seed`` sets the adapter inits
+   and data order), one sweep per seed, ``--jobs`` of them at once, so every config has
+   ``--seeds`` scores. "Best" is what one search picks: the top config under seed 0. Its seed-0
+   score is the maximum of the grid, biased upwards, so the gain over the default is also given
+   over the fresh seeds (1 …) alone, against their sample standard deviations;
 3. **check**: the best adapter's exported files scored by lm-eval's own ``HFLM`` + PEFT on the
-   same documents, against the sweep's score.
+   same documents (same device and dtype as the sweep), against the sweep's score.
 
 Reported per config: the metric, its standard error, the share of each predicted answer (a
 classifier that answers one class everywhere shows up), and the training loss at each tenth of
@@ -22,6 +25,8 @@ Usage::
 
     python benchmarks/quality.py --data-dir ../shared/data --task cola [--task mrpc] [--steps 200]
     python benchmarks/quality.py --smoke --data-dir ../shared/data   # minutes: every code path
+    python3 benchmarks/quality.py --device cuda --space paper120 --steps 1000 --pack-size 120 \
+        --eval-batch-size 4096 --jobs 3 --data-dir .device_data --out $OUT/quality-h200.json   # a GPU
 
 The JSON (machine, date, versions, command) goes to ``--out``; a short table prints last.
 """
@@ -49,12 +54,17 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 DEFAULT = {"rank": 16, "alpha_multiplier": 1.0, "learning_rate": 2e-4, "batch_size": 2}
-SPACE = {
+SUBSET = {
     "rank": {"choices": [16]},
     "alpha_multiplier": {"choices": [1, 4]},
     "learning_rate": {"choices": [2.0e-4, 4.0e-4]},
     "batch_size": {"choices": [2, 8]},
 }
+
+
+def paper120_space() -> dict:
+    """The 120-config grid of the shipped ``paper120`` sweep file."""
+    return yaml.safe_load((ROOT / "search_spaces" / "paper120.yaml").read_text())["space"]
 
 
 def sweep_file(path: Path, task: str, args: argparse.Namespace, seed: int, space: dict) -> Path:
@@ -67,22 +77,40 @@ def sweep_file(path: Path, task: str, args: argparse.Namespace, seed: int, space
         "budget": {"steps": args.steps},
         "space": space,
         "sampler": "grid",
-        "pack": {"size": 8},
-        "evaluation": {"batch_size": 32, **({"limit": args.eval_limit} if args.eval_limit else {})},
+        "pack": {"size": args.pack_size},
+        "evaluation": {"batch_size": args.eval_batch_size, **({"limit": args.eval_limit} if args.eval_limit else {})},
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
 
 
-def run_sweep(file: Path, run_dir: Path, args: argparse.Namespace, log: Path) -> float:
-    """``plora-hpo sweep`` as a user runs it; its wall seconds."""
-    started = time.perf_counter()
-    command = [sys.executable, "-m", "plora_hpo.cli", "sweep", str(file), "--run-dir", str(run_dir)]
-    command += ["--data-dir", str(args.data_dir), "--device", "cpu"]
-    print("[sweep]", shlex.join(command[2:]), flush=True)
-    with log.open("w") as out:
-        subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, check=True)
-    return time.perf_counter() - started
+def run_sweeps(files: list[Path], run_dirs: list[Path], args: argparse.Namespace) -> list[float]:
+    """``plora-hpo sweep`` as a user runs it, once per file, ``--jobs`` at a time; wall seconds each.
+
+    Concurrent sweeps share the device like independent users' jobs; a sweep that fails stops the
+    benchmark with the end of its log.
+    """
+    seconds: list[float] = [0.0] * len(files)
+    pending = list(range(len(files)))
+    running: dict[int, tuple[subprocess.Popen, float]] = {}
+    while pending or running:
+        while pending and len(running) < args.jobs:
+            i = pending.pop(0)
+            command = [sys.executable, "-m", "plora_hpo.cli", "sweep", str(files[i]), "--run-dir", str(run_dirs[i])]
+            command += ["--data-dir", str(args.data_dir), "--device", args.device]
+            print("[sweep]", shlex.join(command[2:]), flush=True)
+            log = run_dirs[i].with_suffix(".log").open("w")
+            running[i] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
+        time.sleep(1.0)
+        for i, (process, started) in list(running.items()):
+            if process.poll() is None:
+                continue
+            del running[i]
+            seconds[i] = time.perf_counter() - started
+            if process.returncode:
+                tail = run_dirs[i].with_suffix(".log").read_text().splitlines()[-20:]
+                raise SystemExit(f"sweep {files[i].name} failed (exit {process.returncode}):\n" + "\n".join(tail))
+    return seconds
 
 
 def trials_of(run_dir: Path, study_name: str) -> list[dict]:
@@ -109,6 +137,8 @@ def trials_of(run_dir: Path, study_name: str) -> list[dict]:
                 "answer_shares": share_keys(metrics),
                 "final_train_loss": t.user_attrs.get("final_train_loss"),
                 "loss_by_tenth": tenths(losses),
+                "loss_curve": curve(losses),
+                "pack": t.user_attrs.get("pack_id"),
                 "adapter_dir": t.user_attrs.get("adapter_dir"),
             }
         )
@@ -124,6 +154,13 @@ def tenths(losses: list[float]) -> list[float]:
     return [statistics.fmean(losses[a:b]) for a, b in itertools.pairwise(cuts) if b > a]
 
 
+def curve(losses: list[float], points: int = 50) -> list[list[float]]:
+    """``[last step, mean loss]`` of ``points`` equal chunks of the steps (a plot's worth)."""
+    n = len(losses)
+    cuts = sorted({round(i * n / points) for i in range(points + 1)})
+    return [[b, statistics.fmean(losses[a:b])] for a, b in itertools.pairwise(cuts) if b > a]
+
+
 def same(a: dict, b: dict) -> bool:
     return all(abs(float(a[k]) - float(b[k])) <= 1e-12 for k in DEFAULT)
 
@@ -137,7 +174,8 @@ def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: st
     from plora_hpo.tasks import build_eval_tasks
 
     base = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    lm = HFLM(pretrained=base, peft=adapter_dir, dtype="float32", device="cpu", batch_size=32)
+    dtype = "float32" if args.device == "cpu" else "bfloat16"  # the sweep's "auto" dtype
+    lm = HFLM(pretrained=base, peft=adapter_dir, dtype=dtype, device=args.device, batch_size=32)
     task_dict = build_eval_tasks(task, data_dir=args.data_dir)
     for t in lm_eval_tasks(task_dict):
         t.set_fewshot_seed(seed=FEWSHOT_SEED)
@@ -147,46 +185,103 @@ def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: st
 
 
 def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: Callable[[], None]) -> None:
-    """Fill ``entry`` stage by stage (search, each seed, the HFLM check), saving after each."""
+    """Fill ``entry``: the grid under every seed, then (within ``--budget-s``) the HFLM check."""
     from plora_hpo.config import load_sweep
     from plora_hpo.study import study_name
 
-    entry.update(task=task, metric=_primary(task), seconds={})
-    file = sweep_file(work / f"{task}-s0.yaml", task, args, 0, SPACE)
-    entry["seconds"]["search"] = run_sweep(file, work / f"{task}-search", args, work / f"{task}-search.log")
-    search = trials_of(work / f"{task}-search", study_name(load_sweep(file), task))
-    default = next(r for r in search if same(r["params"], DEFAULT))
-    best = max(search, key=lambda r: r["value"])
-    seeds = {"default": [default["value"]], "best": [best["value"]]}
-    entry.update(configs=search, best_params=best["params"], seeds=seeds)
+    entry.update(task=task, metric=_primary(task), skipped=[])
+    space = paper120_space() if args.space == "paper120" else SUBSET
+    files = [sweep_file(work / f"{task}-s{seed}.yaml", task, args, seed, space) for seed in range(args.seeds)]
+    run_dirs = [work / f"{task}-seed{seed}" for seed in range(args.seeds)]
+    seconds = run_sweeps(files, run_dirs, args)
+    entry["seconds"] = {f"seed{seed}": s for seed, s in enumerate(seconds)}
+    by_seed = [trials_of(d, study_name(load_sweep(f), task)) for f, d in zip(files, run_dirs, strict=True)]
+    configs = by_seed[0]
+    for row in configs:
+        row["seed_values"] = [next(r["value"] for r in rows if same(r["params"], row["params"])) for rows in by_seed]
+    default = next(r for r in configs if same(r["params"], DEFAULT))
+    best = max(configs, key=lambda r: r["value"])  # what one seed's search picks
+    seeds = {"default": default["seed_values"], "best": best["seed_values"]}
+    by_mean = max(configs, key=lambda r: statistics.fmean(r["seed_values"]))
+    entry.update(configs=configs, best_params=best["params"], best_by_seed_mean=by_mean["params"], seeds=seeds)
+    if args.seeds > 1:
+        entry.update(gains(seeds))
     save()
-    for seed in range(1, args.seeds):
-        pair = {k: {"choices": sorted({DEFAULT[k], best["params"][k]})} for k in DEFAULT}
-        file = sweep_file(work / f"{task}-s{seed}.yaml", task, args, seed, pair)
-        run_dir = work / f"{task}-seed{seed}"
-        entry["seconds"][f"seed{seed}"] = run_sweep(file, run_dir, args, work / f"{task}-seed{seed}.log")
-        rows = trials_of(run_dir, study_name(load_sweep(file), task))
-        seeds["default"].append(next(r["value"] for r in rows if same(r["params"], DEFAULT)))
-        seeds["best"].append(next(r["value"] for r in rows if same(r["params"], best["params"])))
-        spread = {k: statistics.stdev(v) for k, v in seeds.items()}
-        gain = statistics.fmean(seeds["best"]) - statistics.fmean(seeds["default"])
-        entry.update(
-            seed_spread=spread,
-            gain_mean_best_minus_default=gain,
-            gain_exceeds_twice_spread=gain > 2 * max(spread.values()),
-        )
+    if within_budget(args, "hflm_check", entry):
+        check = hflm_check(task, best["adapter_dir"], args, entry["metric"])
+        check["sweep"] = best["value"]
+        check["same_documents"] = args.eval_limit is None  # a limit samples the sweep's documents at random
+        entry["hflm_check"] = check
         save()
-    check = hflm_check(task, best["adapter_dir"], args, entry["metric"])
-    check["sweep"] = best["value"]
-    check["same_documents"] = args.eval_limit is None  # a limit samples the sweep's documents at random
-    entry["hflm_check"] = check
-    save()
+
+
+def gains(seeds: dict[str, list[float]]) -> dict:
+    """Best − default over all seeds and over the fresh seeds (1 …), against the seed spreads."""
+    spread = {k: statistics.stdev(v) for k, v in seeds.items()}
+    gain = statistics.fmean(seeds["best"]) - statistics.fmean(seeds["default"])
+    out = {
+        "seed_spread": spread,
+        "gain_mean_best_minus_default": gain,
+        "gain_exceeds_twice_spread": gain > 2 * max(spread.values()),
+    }
+    fresh = {k: v[1:] for k, v in seeds.items()}
+    if len(fresh["best"]) >= 2:
+        fresh_spread = max(statistics.stdev(v) for v in fresh.values())
+        fresh_gain = statistics.fmean(fresh["best"]) - statistics.fmean(fresh["default"])
+        out.update(gain_fresh_seeds=fresh_gain, gain_fresh_exceeds_twice_spread=fresh_gain > 2 * fresh_spread)
+    return out
+
+
+def within_budget(args: argparse.Namespace, stage: str, entry: dict) -> bool:
+    """Whether ``stage`` may start; if not, it is recorded under the task's ``skipped``."""
+    if time.perf_counter() - args.began < args.budget_s:
+        return True
+    entry["skipped"].append(stage)
+    return False
 
 
 def _primary(task: str) -> str:
     from plora_hpo.tasks import get_task
 
     return get_task(task).primary_metric
+
+
+def machine(device: str) -> dict:
+    """Where it ran: platform, CPUs, Python and, on a GPU, its name and memory."""
+    out = {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()}
+    if device != "cpu":
+        import torch
+
+        props = torch.cuda.get_device_properties(0)
+        out.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
+    return out
+
+
+def print_table(result: dict, args: argparse.Namespace) -> None:
+    """The short summary: per task default and best (mean ± sd over seeds), gains, the HFLM check."""
+    where = result["machine"].get("gpu", "CPU")
+    print(f"\n=== quality: SmolLM2-135M, {args.space}, {args.steps} steps, seeds {args.seeds}, {where} ===")
+    print(f"{'task':6} {'metric':10} {'default':>14} {'best':>14} {'gain':>7} {'fresh':>7} {'> 2x sd':>7}  HFLM check")
+
+    def fmt(v: list[float]) -> str:
+        return f"{statistics.fmean(v):.3f}±{statistics.stdev(v) if len(v) > 1 else 0:.3f}"
+
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    for t in result["tasks"]:
+        if "seeds" not in t:
+            print(f"{t['task']:6} search did not finish")
+            continue
+        c = t.get("hflm_check")
+        check = f"sweep {c['sweep']:.4f} HFLM {c['hflm']:.4f}" if c else "skipped"
+        print(
+            f"{t['task']:6} {t['metric']:10} {fmt(t['seeds']['default']):>14} {fmt(t['seeds']['best']):>14} "
+            f"{num(t.get('gain_mean_best_minus_default')):>7} {num(t.get('gain_fresh_seeds')):>7} "
+            f"{t.get('gain_fresh_exceeds_twice_spread', t.get('gain_exceeds_twice_spread', '-'))!s:>7}  {check}"
+        )
+        if t["skipped"]:
+            print(f"       skipped (time budget): {', '.join(t['skipped'])}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -197,28 +292,34 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--eval-limit", type=int, default=None, help="dev documents (default: all)")
-    p.add_argument("--smoke", action="store_true", help="4 steps, 2 seeds, 16 documents: every code path")
+    p.add_argument("--space", choices=["subset", "paper120"], default="subset", help="the search's grid")
+    p.add_argument("--device", default="cpu", help="the sweep's --device (cpu, cuda)")
+    p.add_argument("--pack-size", type=int, default=8, help="the sweep's pack.size")
+    p.add_argument("--eval-batch-size", type=int, default=32, help="rows per forward, shared by a pack's adapters")
+    p.add_argument("--jobs", type=int, default=1, help="seed sweeps running at once (a GPU has room for several)")
+    p.add_argument("--budget-s", type=float, default=float("inf"), help="skip the HFLM check past this many seconds")
+    p.add_argument("--smoke", action="store_true", help="4 steps, 3 seeds, 16 documents: every code path")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     args.task = args.task or ["cola"]
+    args.began = time.perf_counter()
     if args.smoke:
-        args.steps, args.seeds, args.eval_limit = 4, 2, 16
+        args.steps, args.seeds, args.eval_limit = 4, 3, 16
     out = args.out or ROOT / "benchmarks" / "results" / f"quality-{'smoke-' if args.smoke else ''}cpu.json"
-    began = time.perf_counter()
     result = {
         "benchmark": "quality",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "machine": machine(args.device),
         "versions": {k: metadata.version(k) for k in ("torch", "transformers", "peft", "optuna", "lm_eval", "mlflow")},
         "command": shlex.join(["python", "benchmarks/quality.py", *(argv if argv is not None else sys.argv[1:])]),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "began"},
         "default": DEFAULT,
-        "space": SPACE,
+        "space": paper120_space() if args.space == "paper120" else SUBSET,
         "tasks": [],
     }
 
     def save() -> None:  # after every stage: a run cut short keeps what it measured
-        result["elapsed_s"] = time.perf_counter() - began
+        result["elapsed_s"] = time.perf_counter() - args.began
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1) + "\n")
 
@@ -226,16 +327,7 @@ def main(argv: list[str] | None = None) -> None:
         for task in args.task:
             result["tasks"].append({})
             quality(task, args, Path(tmp), result["tasks"][-1], save)
-    print(f"\n=== quality: SmolLM2-135M, {args.steps} steps, seeds {args.seeds}, CPU ===")
-    print(f"{'task':6} {'metric':10} {'default':>16} {'best':>16} {'gain':>7} {'> 2x spread':>11}  HFLM check")
-    for t in result["tasks"]:
-        d, b = t["seeds"]["default"], t["seeds"]["best"]
-        fmt = lambda v: f"{statistics.fmean(v):.3f}±{statistics.stdev(v) if len(v) > 1 else 0:.3f}"  # noqa: E731
-        c = t["hflm_check"]
-        print(
-            f"{t['task']:6} {t['metric']:10} {fmt(d):>16} {fmt(b):>16} {t['gain_mean_best_minus_default']:7.3f} "
-            f"{t['gain_exceeds_twice_spread']!s:>11}  sweep {c['sweep']:.4f} HFLM {c['hflm']:.4f}"
-        )
+    print_table(result, args)
     print(f"json: {out}")
 
 
