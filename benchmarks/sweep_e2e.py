@@ -11,6 +11,12 @@ Three ways to run the same trials (same configs, training data, step budget and 
 * ``colocated``: K such trial processes sharing the GPU at once (fractional-GPU schedulers such as
   Ray Tune do this), K chosen to fit the GPU's memory.
 
+Right after the sweep, ``engine_only`` trains the sweep's biggest pack (the composition with the
+most adapters: same configs, model, data and trainer options) on the packed engine alone, as
+``benchmarks/throughput.py`` times a pack, and compares its step time with the one the sweep kept
+for that pack (step start to step start, so the worker's work between steps counts): the
+sweep's per-step overhead (checkpoint pacing and copies, MLflow, progress, data) as one ratio.
+
 The baselines take longer than one device call allows for 32 configs, so they run a subset of the
 sweep's configs (spread over batch sizes and ranks) and the JSON says which numbers are measured
 and which are extrapolated to all configs (``measured`` / ``extrapolated`` keys, never mixed).
@@ -38,29 +44,38 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gc
 import itertools
 import json
 import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: F401  (plora_hpo importable from a bare checkout)
+
+if TYPE_CHECKING:
+    from plora_hpo.adapter import AdapterConfig
+    from plora_hpo.config import SweepConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_SHIM = (
     "import sys; sys.path.insert(0, {bench!r}); import _bootstrap; "
     "from plora_hpo.cli import main; sys.exit(main(sys.argv[1:]))"
 )
-SEGMENT_KEYS = ("pack_id", "start", "end", "steps", "measured_step_seconds", "predicted_step_seconds",
-                "measured_peak_gib", "predicted_peak_gib", "solver", "plan_seconds")  # fmt: skip
+SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measured_step_seconds",
+                "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "solver",
+                "plan_seconds")  # fmt: skip
 PHASES = ["train", "evaluate", "export", "checkpoint", "mlflow", "planner", "calibrate", "optuna", "gather", "idle"]
 COLORS = {
     "train": "#2b8a3e",
@@ -257,6 +272,7 @@ def read_trials(run_dir: Path, sweep_file: Path, start: float) -> list[dict]:
                 "params": t.params,
                 "value": t.value,
                 "final_train_loss": t.user_attrs.get("final_train_loss"),
+                "pack_id": t.user_attrs.get("pack_id"),
                 "completed_at_s": None if done is None else done - start,
             }
         )
@@ -296,6 +312,154 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "'shutdown' = the worker's last phase to process exit; background_checkpoint_write_s: the checkpoint "
         "writer thread's torch.save time, overlapping the worker's phases",
     }
+
+
+# --- 1b. the sweep's biggest pack on the engine alone ---------------------------------------------
+ENGINE_WARMUP_STEPS = 3  # kernel compilation, allocator growth and library heuristics happen here
+ENGINE_SETUP_S = 30.0  # model, task data and eval tasks loaded in this process before a step (H200, 1.5B)
+
+
+def biggest_segment(segments: list[dict]) -> int | None:
+    """Index of the pack composition with the most adapters (then the most steps) among those of
+    three steps or more (the first step is warm-up; two more starts make one warm interval)."""
+    long_enough = [i for i, s in enumerate(segments) if s["steps"] >= 3]
+    return max(long_enough, key=lambda i: (segments[i]["members"], segments[i]["steps"]), default=None)
+
+
+def segment_step_starts(segments: list[dict], events: list[dict], index: int) -> list[float] | None:
+    """Wall-clock starts of segment ``index``'s training steps, from the timeline.
+
+    A worker runs its steps one at a time and its segments (recorded in the order they closed) tile
+    them, so a segment's steps are its slice of its worker thread's ``train`` phases. None when the
+    counts disagree (a step that ran out of memory has a phase but counts as no step).
+    """
+    device = segments[index]["device"]
+    mine = [i for i, s in enumerate(segments) if s["device"] == device]
+    starts = sorted(e["start"] for e in events if e["phase"] == "train" and e["thread"] == f"plora-{device}")
+    if sum(segments[i]["steps"] for i in mine) != len(starts):
+        return None
+    first = sum(segments[i]["steps"] for i in mine if i < index)
+    return starts[first : first + segments[index]["steps"]]
+
+
+def pack_configs(segment: dict, trials: list[dict], config: SweepConfig) -> list[AdapterConfig]:
+    """The segment's adapter configs, rebuilt from its trials' parameters as the sweep builds them
+    (the seed too: it sets an adapter's initialisation and data order), matched by pack and label."""
+    from plora_hpo.space import SearchSpace
+
+    space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
+    by_label = {}
+    for t in trials:
+        if t["pack_id"] == segment["pack_id"]:
+            adapter = space.to_config(t["params"], seed=space.config_seed(t["params"]))
+            by_label[adapter.label()] = adapter
+    missing = [label for label in segment["labels"] if label not in by_label]
+    if missing:
+        raise LookupError(f"no trial of {segment['pack_id']} has the config {', '.join(missing)}")
+    return [by_label[label] for label in segment["labels"]]
+
+
+def engine_step_seconds(config: SweepConfig, configs: list[AdapterConfig], setup: dict, steps: int, work: Path) -> dict:
+    """``configs`` as one pack on the packed engine alone, timed as ``throughput.py`` times a pack.
+
+    Model, dtype, device, task data, optimizer settings and trainer options come from the sweep's
+    own code (a :class:`PackedSweep` that never starts its worker, and the trainer its packs
+    build); what the sweep adds between steps (checkpoints, MLflow, progress, admission) is left
+    out. Each adapter keeps the sweep's step budget, or enough for the timed steps.
+    """
+    import torch
+    from throughput import timed
+
+    from plora_hpo.engine import AdapterJob, PackedTrainer
+    from plora_hpo.sweep import PackedSweep
+
+    device = "cpu" if setup["device"] == "cpu" else "cuda:0"
+    with PackedSweep(
+        config, tracker=None, run_dir=work / "engine-only", data_dir=setup["data_dir"], device=device
+    ) as sweep:
+        worker = sweep.workers[0]
+        trainer = PackedTrainer(
+            worker.packed,
+            settings=worker.optimizer_settings(),
+            pad_id=sweep.base.tokenizer.pad_token_id,
+            device=worker.device,
+            micro_batch_tokens=config.pack.micro_batch_tokens,
+            activation_checkpointing=config.pack.activation_checkpointing,
+        )
+        examples = sweep.tasks[setup["task"]].examples
+        for i, adapter in enumerate(configs):
+            budget = max(sweep.total_steps(setup["task"], adapter), ENGINE_WARMUP_STEPS + steps)
+            trainer.add_job(AdapterJob(f"engine-{i}", adapter, examples, budget))
+        step_s, warmup_s = timed(trainer.step, ENGINE_WARMUP_STEPS, steps, worker.device)
+    per_step = trainer.stats.step_seconds[-steps:]
+    return {
+        "engine_step_s": step_s,
+        "engine_step_s_median": statistics.median(per_step),
+        "engine_warmup_s": warmup_s,
+        "engine_tokens_per_step": trainer.stats.tokens / trainer.stats.steps,
+        "torch_threads": torch.get_num_threads(),  # on the CPU: as a sweep sizes it, the cores free at its start
+    }
+
+
+def engine_only_cost(segments: list[dict], steps: int) -> float:
+    """Seconds the stage should take: loading, then its steps at twice the sweep's slowest warm step
+    time (the warm-up steps compile kernels)."""
+    step_s = max((s["measured_step_seconds"] or 0.0 for s in segments), default=0.0)
+    return ENGINE_SETUP_S + 2 * (ENGINE_WARMUP_STEPS + steps) * step_s
+
+
+def run_engine_only(sweep: dict, config: SweepConfig, setup: dict, steps: int, sampler: GpuSampler, work: Path) -> dict:
+    """The sweep's biggest pack on the engine alone against the sweep's own step time for it.
+
+    The sweep's step time is step start to next step start over the pack's warm steps (the first
+    left out, as in its ``measured_step_seconds``), so the worker's work between steps counts;
+    ``sweep_trainer_step_s`` is the training step alone as the sweep's trainer timed it.
+    """
+    import torch
+
+    segments = sweep.get("pack_segments") or []
+    index = biggest_segment(segments)
+    if index is None:
+        return {"error": "no pack composition of the sweep ran 3 steps or more"}
+    seg = segments[index]
+    starts = segment_step_starts(segments, sweep.get("events", []), index)
+    warm = [b - a for a, b in itertools.pairwise(starts)][1:] if starts else []
+    out = {
+        "pack_id": seg["pack_id"],
+        "configs": seg["members"],
+        "labels": seg["labels"],
+        "warmup_steps": ENGINE_WARMUP_STEPS,
+        "steps_timed": steps,
+        "sweep_steps": seg["steps"],
+        "sweep_step_s": statistics.mean(warm) if warm else None,
+        "sweep_step_s_median": statistics.median(warm) if warm else None,
+        "sweep_trainer_step_s": seg["measured_step_seconds"],
+    }
+    threads = torch.get_num_threads()  # a sweep on the CPU sizes torch's thread pool to the free cores
+    start = time.time()
+    try:
+        out |= engine_step_seconds(config, pack_configs(seg, sweep["trials"], config), setup, steps, work)
+    except Exception as exc:  # recorded; the baselines still run
+        traceback.print_exc()
+        out["error"] = f"{type(exc).__name__}: {str(exc)[:400]}"
+    end = time.time()
+    torch.set_num_threads(threads)
+    gc.collect()  # the model and the pack's optimizer state, before the baselines load theirs
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    ratio = out["sweep_step_s"] / out["engine_step_s"] if out["sweep_step_s"] and "engine_step_s" in out else None
+    out.update(sweep_over_engine=ratio, seconds=end - start, gpu_util_mean=sampler.mean_util(start, end))
+    out["note"] = (
+        "engine_step_s: wall seconds per step over steps_timed back-to-back steps after warmup_steps, synchronised "
+        "at both ends (throughput.py's timing); engine_step_s_median: the trainer's own per-step seconds; "
+        "sweep_step_s: the sweep's step-start-to-step-start seconds in that pack (its first step left out), "
+        "so the sweep's work between steps counts; sweep_trainer_step_s: the sweep's training steps alone"
+    )
+    print(f"[engine_only] {seg['pack_id']} ({seg['members']} configs), {steps} steps: "
+          f"engine {out.get('engine_step_s', math.nan):.4f} s/step, sweep {out['sweep_step_s'] or math.nan:.4f} "
+          f"(training step alone {seg['measured_step_seconds'] or math.nan:.4f}), sweep/engine {ratio or math.nan:.2f}"
+          f"{'; ' + out['error'] if 'error' in out else ''}", flush=True)  # fmt: skip
+    return out
 
 
 # --- 2./3. the PEFT baselines ---------------------------------------------------------------------
@@ -553,6 +717,7 @@ def summarize(result: dict, n_configs: int) -> dict:
     out["timeline_train_fraction"] = frac.get("train")
     out["timeline_eval_fraction"] = frac.get("evaluate")
     out["step_seconds_median"] = tl.get("step_seconds_median")
+    out["sweep_over_engine"] = (result.get("engine_only") or {}).get("sweep_over_engine")
     return out
 
 
@@ -572,6 +737,12 @@ def print_table(result: dict) -> None:
         label = f"{kind} (extrapolated)" if b["measured"]["configs"] < e.get("configs", 0) else f"{kind} (measured)"
         ratio = s.get(f"{kind}_vs_sweep")
         print(f"{label:34s} {e.get('makespan_s', float('nan')):11.1f} {ratio or float('nan'):9.2f}  {e.get('how', '')}")
+    engine = result.get("engine_only")
+    if engine:
+        how = (f"{engine['pack_id']}, {engine['configs']} configs: sweep {engine['sweep_step_s'] or math.nan:.4f} s, "
+               f"engine {engine.get('engine_step_s', math.nan):.4f} s")  # fmt: skip
+        print(f"sweep step / engine step: {s['sweep_over_engine'] or math.nan:.2f} (goal <= 1.10)  {how}"
+              f"{'; ' + engine['error'] if 'error' in engine else ''}")  # fmt: skip
     tl = sweep.get("timeline", {})
     if "seconds" in tl:
         print("timeline (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl["seconds"].items()))
@@ -617,6 +788,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="the sweep's evaluation.batch_size, rows shared by all adapters (default: HFLM's batch × adapters)",
     )
+    p.add_argument(
+        "--engine-steps", type=int, default=20, help="timed steps of the sweep's biggest pack alone (0: skip)"
+    )
     p.add_argument("--sequential", type=int, default=3, help="configs the sequential baseline measures (0: skip)")
     p.add_argument("--colocated-k", type=int, default=8, help="co-located processes (0: skip)")
     p.add_argument("--colocated-configs", type=int, default=8, help="configs the co-located baseline measures")
@@ -630,6 +804,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.smoke:
         args.steps, args.configs, args.pack_size = min(args.steps, 4), min(args.configs, 4), min(args.pack_size, 4)
         args.eval_limit = args.eval_limit or 8
+        args.engine_steps = min(args.engine_steps, 5)
         args.sequential, args.colocated_k, args.colocated_configs = min(args.sequential, 1), min(args.colocated_k, 2), 2
     if args.out is None:
         args.out = Path(os.environ.get("OUT") or ".")
@@ -714,6 +889,15 @@ def main(argv=None) -> None:
             print(f"[sweep] {result['sweep']['error']}; see sweep.log and timeline.jsonl", flush=True)
         save()
         trials = result["sweep"].get("trials", [])
+        if args.engine_steps and trials:
+            cost = engine_only_cost(result["sweep"].get("pack_segments") or [], args.engine_steps)
+            if left() > cost:
+                result["engine_only"] = run_engine_only(
+                    result["sweep"], config, setup, args.engine_steps, sampler, work
+                )
+                save()
+            else:
+                skipped.append(f"engine_only: {left():.0f}s of the budget left, ~{cost:.0f}s needed")
         if args.sequential and trials:
             if left() > 50 * args.sequential:
                 result["sequential"] = run_sequential(spread(trials, args.sequential), setup, sampler)

@@ -1,0 +1,38 @@
+"""benchmarks/sweep_e2e.py's engine_only stage finds the sweep's biggest pack and its steps on the timeline."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from sweep_e2e import biggest_segment, segment_step_starts  # noqa: E402
+
+
+def segment(members: int, steps: int, device: str = "cuda:0") -> dict:
+    return {"pack_id": "pack-0", "device": device, "members": members, "steps": steps}
+
+
+def train(start: float, thread: str = "plora-cuda:0") -> dict:
+    return {"phase": "train", "start": start, "end": start + 0.5, "thread": thread}
+
+
+def test_the_biggest_pack_with_warm_steps_is_picked():
+    segments = [segment(1, 0), segment(4, 2), segment(3, 10), segment(3, 12), segment(2, 40)]
+    assert biggest_segment(segments) == 3  # 4 adapters ran too few steps to time; then the most steps
+    assert biggest_segment([segment(4, 2)]) is None
+
+
+def test_a_segment_gets_its_slice_of_its_workers_steps():
+    segments = [segment(2, 2), segment(1, 5, device="cuda:1"), segment(3, 3)]
+    events = [train(t) for t in (1, 2, 3, 4, 5)] + [train(t, "plora-cuda:1") for t in range(5)]
+    events += [{"phase": "evaluate", "start": 2.6, "end": 2.9, "thread": "plora-cuda:0"}]
+    assert segment_step_starts(segments, events[::-1], 2) == [3, 4, 5]  # in time order, other devices apart
+
+
+def test_steps_that_do_not_add_up_give_no_starts():
+    segments = [segment(2, 2), segment(3, 3)]
+    events = [train(t) for t in (1, 2, 3, 4, 5, 6)]  # a step that ran out of memory: a phase, no step
+    assert segment_step_starts(segments, events, 1) is None

@@ -1,0 +1,36 @@
+"""The notebook on a `benchmarks/quality.py` result file (its default source): every section runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_notebook_executes_against_a_results_file(tmp_path, monkeypatch):
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    results = json.loads((REPO / "benchmarks" / "results" / "quality-cpu.json").read_text())
+    configs = results["tasks"][0]["configs"]
+    for i, c in enumerate(configs):  # the GPU run's additions; the last config keeps only loss_by_tenth
+        c["pack"] = f"pack-{i // 4}"
+        if i < len(configs) - 1:
+            c["loss_curve"] = [[10 * (k + 1), loss] for k, loss in enumerate(c["loss_by_tenth"])]
+    path = tmp_path / "quality.json"
+    path.write_text(json.dumps(results))
+    monkeypatch.delenv("PLORA_STORAGE", raising=False)
+    monkeypatch.setenv("PLORA_RESULTS", str(path))
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+
+    nb = nbformat.read(REPO / "notebooks" / "explore_120.ipynb", as_version=4)
+    NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs)
+    assert text.startswith("quality.json: ") and "COLLAPSED" in text  # the file's collapsed classifiers show
+    assert "-0.020703" in text and "0.028780" in text  # the default's seed values, the best one's spread
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # heatmaps and loss curves of one task
