@@ -7,11 +7,11 @@ data folder, on the CPU (a long run, not CI) or a GPU (``--device cuda``):
    ``--steps`` steps, each config scored on the task's whole dev set. ``--space subset`` is
    rank 16 × alpha multiplier {1, 4} × lr {2e-4, 4e-4} × batch {2, 8} (8 configs, for the CPU);
    ``--space paper120`` is ``search_spaces/paper120.yaml``'s whole 120-config grid;
-2. **seeds**: the same grid under seeds 0 … n-1 (the sweep's ``seed`` sets the adapter inits
-   and data order), one sweep per seed, ``--jobs`` of them at once, so every config has
-   ``--seeds`` scores. "Best" is what one search picks: the top config under seed 0. Its seed-0
+2. **seeds**: the default and the search's best config (the top one under seed 0) again under
+   seeds 1 … n-1 (the sweep's ``seed`` sets the adapter inits and data order), one sweep per
+   seed, ``--jobs`` of them at once, so each has ``--seeds`` scores. The best config's seed-0
    score is the maximum of the grid, biased upwards, so the gain over the default is also given
-   over the fresh seeds (1 …) alone, against their sample standard deviations;
+   over the fresh seeds alone, against their sample standard deviations;
 3. **check**: the best adapter's exported files scored by lm-eval's own ``HFLM`` + PEFT on the
    same documents (same device and dtype as the sweep), against the sweep's score.
 
@@ -34,6 +34,7 @@ The JSON (machine, date, versions, command) goes to ``--out``; a short table pri
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -185,33 +186,38 @@ def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: st
 
 
 def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: Callable[[], None]) -> None:
-    """Fill ``entry``: the grid under every seed, then (within ``--budget-s``) the HFLM check."""
+    """Fill ``entry`` stage by stage (search; the HFLM check and seeds within ``--budget-s``)."""
     from plora_hpo.config import load_sweep
     from plora_hpo.study import study_name
 
     entry.update(task=task, metric=_primary(task), skipped=[])
     space = paper120_space() if args.space == "paper120" else SUBSET
-    files = [sweep_file(work / f"{task}-s{seed}.yaml", task, args, seed, space) for seed in range(args.seeds)]
-    run_dirs = [work / f"{task}-seed{seed}" for seed in range(args.seeds)]
-    seconds = run_sweeps(files, run_dirs, args)
-    entry["seconds"] = {f"seed{seed}": s for seed, s in enumerate(seconds)}
-    by_seed = [trials_of(d, study_name(load_sweep(f), task)) for f, d in zip(files, run_dirs, strict=True)]
-    configs = by_seed[0]
-    for row in configs:
-        row["seed_values"] = [next(r["value"] for r in rows if same(r["params"], row["params"])) for rows in by_seed]
+    file = sweep_file(work / f"{task}-s0.yaml", task, args, 0, space)
+    entry["seconds"] = {"search": run_sweeps([file], [work / f"{task}-search"], args)[0]}
+    configs = trials_of(work / f"{task}-search", study_name(load_sweep(file), task))
     default = next(r for r in configs if same(r["params"], DEFAULT))
-    best = max(configs, key=lambda r: r["value"])  # what one seed's search picks
-    seeds = {"default": default["seed_values"], "best": best["seed_values"]}
-    by_mean = max(configs, key=lambda r: statistics.fmean(r["seed_values"]))
-    entry.update(configs=configs, best_params=best["params"], best_by_seed_mean=by_mean["params"], seeds=seeds)
-    if args.seeds > 1:
-        entry.update(gains(seeds))
+    best = max(configs, key=lambda r: r["value"])  # what one search picks
+    seeds = {"default": [default["value"]], "best": [best["value"]]}
+    entry.update(configs=configs, best_params=best["params"], seeds=seeds)
     save()
     if within_budget(args, "hflm_check", entry):
         check = hflm_check(task, best["adapter_dir"], args, entry["metric"])
         check["sweep"] = best["value"]
         check["same_documents"] = args.eval_limit is None  # a limit samples the sweep's documents at random
         entry["hflm_check"] = check
+        save()
+    fresh = list(range(1, args.seeds))
+    if fresh and within_budget(args, "seeds", entry):
+        pair = {k: {"choices": sorted({DEFAULT[k], best["params"][k]})} for k in DEFAULT}
+        files = [sweep_file(work / f"{task}-s{seed}.yaml", task, args, seed, pair) for seed in fresh]
+        run_dirs = [work / f"{task}-seed{seed}" for seed in fresh]
+        for seed, wall in zip(fresh, run_sweeps(files, run_dirs, args), strict=True):
+            entry["seconds"][f"seed{seed}"] = wall
+        for f, d in zip(files, run_dirs, strict=True):
+            rows = trials_of(d, study_name(load_sweep(f), task))
+            for key, params in (("default", DEFAULT), ("best", best["params"])):
+                seeds[key].append(next(r["value"] for r in rows if same(r["params"], params)))
+        entry.update(gains(seeds))
         save()
 
 
@@ -244,6 +250,15 @@ def _primary(task: str) -> str:
     from plora_hpo.tasks import get_task
 
     return get_task(task).primary_metric
+
+
+def versions() -> dict:
+    """Installed versions of the stack (``mlflow-skinny`` where only that is installed)."""
+    out = {}
+    for name in ("torch", "transformers", "peft", "optuna", "lm_eval", "mlflow", "mlflow-skinny"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            out[name] = metadata.version(name)
+    return out
 
 
 def machine(device: str) -> dict:
@@ -297,7 +312,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--pack-size", type=int, default=8, help="the sweep's pack.size")
     p.add_argument("--eval-batch-size", type=int, default=32, help="rows per forward, shared by a pack's adapters")
     p.add_argument("--jobs", type=int, default=1, help="seed sweeps running at once (a GPU has room for several)")
-    p.add_argument("--budget-s", type=float, default=float("inf"), help="skip the HFLM check past this many seconds")
+    p.add_argument("--budget-s", type=float, default=float("inf"), help="start no stage after the search past this")
     p.add_argument("--smoke", action="store_true", help="4 steps, 3 seeds, 16 documents: every code path")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -310,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "quality",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(args.device),
-        "versions": {k: metadata.version(k) for k in ("torch", "transformers", "peft", "optuna", "lm_eval", "mlflow")},
+        "versions": versions(),
         "command": shlex.join(["python", "benchmarks/quality.py", *(argv if argv is not None else sys.argv[1:])]),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k != "began"},
         "default": DEFAULT,
