@@ -55,7 +55,7 @@ def group_environment(rank: int, degree: int, port: int) -> dict[str, str]:
 class PackChannel:
     """The leader's engine calls, broadcast to the group's followers.
 
-    Every rank holds one; rank 0 :meth:`send`\\ s, the others :meth:`receive` in the same order.
+    Every rank holds one; rank 0 sends (:meth:`send`), the others :meth:`receive` in the same order.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -113,7 +113,7 @@ class DeviceWorker:
             with the sweep's evaluation settings, many adapters per batch).
         exporter: writes a finished adapter (default: PEFT's format, loadable by ``PeftModel``).
         channel: this process's tensor-parallel group (None: the pack trains on this device alone);
-            the leader's worker serves the pool, a follower's :meth:`follow`\ s the leader.
+            the leader's worker serves the pool, a follower replays the leader's calls (:meth:`follow`).
     """
 
     def __init__(
