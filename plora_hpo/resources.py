@@ -77,6 +77,19 @@ def total_steps(budget: BudgetSpec, config: AdapterConfig, train_examples: int) 
     return max(1, math.ceil(budget.epochs * train_examples / config.batch_size))
 
 
+def usable_memory_bytes(device: torch.device, total: float) -> float:
+    """Bytes this process may plan with on ``device``: what it holds plus what nobody holds.
+
+    On a GPU shared with other processes (co-located sweeps, another user's job) their memory is
+    not this process's to fill: planning with the whole card would run every tenant out of memory.
+    Read at each admission, so a neighbour that finishes frees room. The CPU host: ``total``.
+    """
+    if device.type != "cuda":
+        return total
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(total, free + torch.cuda.memory_reserved(device))
+
+
 def device_spec(device: torch.device) -> GpuSpec:
     """The device as the planner's cost model sees it (the CPU host counts as one "GPU")."""
     from plora_hpo.planner import GpuSpec

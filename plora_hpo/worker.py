@@ -49,7 +49,7 @@ from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.errors import CheckpointError, first_line
 from plora_hpo.pack_group import STOP, GroupFailed
 from plora_hpo.reporting import PackSegment, TrialReporter
-from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps
+from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps, usable_memory_bytes
 from plora_hpo.timeline import phase
 from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
 
@@ -234,7 +234,7 @@ class DeviceWorker:
     # --- admission --------------------------------------------------------------------------
     @property
     def memory_limit(self) -> float:
-        return LOAD_FACTOR * self.gpu.memory_bytes
+        return LOAD_FACTOR * usable_memory_bytes(self.device, self.gpu.memory_bytes)
 
     def predicted_memory(self, configs: list[Any]) -> float:
         return self.memory_correction * self.cost.peak_memory(configs)
@@ -800,8 +800,9 @@ class _Pack:
         ids = list(self.trainer.jobs)
         configs = [self.slots[a].request.config for a in ids]
         predicted = worker.cost.peak_memory(configs)
-        # the pack needed more than the device has: scale predictions up to at least that
-        worker.memory_correction = max(worker.memory_correction, 1.05 * worker.gpu.memory_bytes / predicted)
+        # the pack needed more than this process could hold: scale predictions up to at least that
+        usable = usable_memory_bytes(worker.device, worker.gpu.memory_bytes)
+        worker.memory_correction = max(worker.memory_correction, 1.05 * usable / predicted)
         if worker.device.type == "cuda":
             torch.cuda.empty_cache()
         if len(ids) == 1:
