@@ -853,6 +853,7 @@ class _Pack:
             workload.targets,
             step_seconds=sum(seconds[1:]) / CALIBRATION_STEPS,
             peak_bytes=peak,
+            degree=1 if worker.channel is None else worker.channel.degree,
             dtype_bytes=workload.dtype_bytes,
             checkpointing=workload.checkpointing,
             logits_chunk_tokens=workload.logits_chunk_tokens,

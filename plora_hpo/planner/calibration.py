@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 
-TIME_FACTORS = ("launch", "fixed", "base", "lora", "optimizer")
+TIME_FACTORS = ("launch", "fixed", "base", "lora", "optimizer", "comm")
 MEMORY_FACTORS = ("memory_fixed", "memory_activations", "memory_adapters")
 
 
@@ -24,6 +24,8 @@ class Calibration:
         base: × base-model seconds (FLOPs and activation traffic).
         lora: × LoRA kernel and adapter-cast seconds.
         optimizer: × gradient clipping + AdamW + zeroing seconds (GPU).
+        comm: × tensor-parallel all-reduce seconds (packs of degree > 1; fitted only once such
+            packs have been measured, 1.0 until then).
         memory_fixed: × weights + reserve + logits chunk bytes.
         memory_activations: × saved activation bytes.
         memory_adapters: × adapter parameter, gradient and AdamW bytes.
@@ -35,6 +37,7 @@ class Calibration:
     base: float = 1.0
     lora: float = 1.0
     optimizer: float = 1.0
+    comm: float = 1.0
     memory_fixed: float = 1.0
     memory_activations: float = 1.0
     memory_adapters: float = 1.0

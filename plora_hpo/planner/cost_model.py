@@ -15,9 +15,21 @@ default); with micro-batching (``Workload.micro_batch_tokens``) the whole-pack f
 (``memory_terms``, ``step_terms``) count the forwards and the largest forward's activations, while
 the per-adapter parts stay an upper bound on memory.
 
-Multi-GPU packs (degree ``d > 1``) are modelled as fully sharded data parallel: weights, adapter
-states and the pack's rows are split over the ``d`` GPUs, and every step all-gathers the base
-weights (forward and backward) and all-reduces the LoRA gradients over the GPU links.
+Multi-GPU packs (degree ``d > 1``) run tensor-parallel, as :mod:`plora_hpo.engine.tensor_parallel`
+splits them: every one of the ``d`` GPUs holds the embeddings, norms and LM head whole and
+``1/d`` of each decoder projection (q/k/v/gate/up by output rows, o/down by input columns), and
+processes *all* of the pack's rows. Per GPU, the residual stream, the norms' inputs and outputs,
+the loss's hidden rows and the logits chunk are kept for every token, the attention heads' and
+the MLP's intermediate activations for ``1/d`` of their features; an adapter keeps its replicated
+factors whole (A of a column-parallel projection, B of a row-parallel one) and ``1/d`` of the
+split ones, with their gradients and AdamW states. Projection and attention FLOPs divide by
+``d``, the LM head's do not; the LoRA work follows the factors each GPU holds. Each step adds a
+ring all-reduce (``2(d-1)/d`` of the bytes over the GPU link) of the block's hidden states per
+attention and MLP block in the forward, again in the backward (but the first block's: the frozen
+embeddings need no gradient) and the attention block's in the recomputed forward under
+checkpointing, and one of the replicated factors' fp32 gradients. Activations and
+communication grow with each adapter's tokens, so they stay per-adapter terms; the ``comm`` term
+has its own calibration factor, fitted once packs of degree > 1 have been measured.
 """
 
 from __future__ import annotations
@@ -33,6 +45,9 @@ from plora_hpo.planner.calibration import Calibration
 from plora_hpo.shapes import TARGET_MODULES, ModelShape
 
 GIB = 2**30
+# the row-parallel projections of :mod:`plora_hpo.engine.tensor_parallel` (split by input columns;
+# every other projection by output rows); repeated here so that the planner needs no torch
+ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 @dataclass(frozen=True)
@@ -192,6 +207,9 @@ class Prior:
     saved_per_hidden: float = 6.0
     saved_per_kv: float = 2.0
     saved_per_intermediate: float = 3.0
+    # of saved_per_hidden, what a tensor-parallel rank keeps whole (norm inputs and outputs); the
+    # rest (q and the attention output) is per head, 1/d of it on each rank
+    saved_replicated_per_hidden: float = 4.0
     loss_hidden_rows: float = 4.0  # per token after the last layer, × hidden
     logits_bytes_per_vocab: float = 14.0  # all logits kept (PEFT): bf16 + fp32 copy + log-softmax + grad
     chunk_logits_bytes_per_vocab: float = 2.0  # one chunk, gradient written in place (engine/loss.py)
@@ -251,7 +269,7 @@ class StepTerms:
     fixed: float = 0.0  # GPU time that does not grow with tokens
     base: float = 0.0  # frozen base model: forward + input-gradient backward over the tokens
     lora: float = 0.0  # LoRA kernels and the per-forward adapter casts
-    comm: float = 0.0  # weight all-gather and LoRA gradient all-reduce (degree > 1)
+    comm: float = 0.0  # tensor-parallel all-reduces: hidden states per block, replicated LoRA gradients
     optimizer: float = 0.0  # clip + AdamW + zeroing; overlaps the next step's launches
 
     def __add__(self, other: StepTerms) -> StepTerms:
@@ -262,7 +280,7 @@ class StepTerms:
 class MemoryTerms:
     """Prior bytes on one GPU, split by what calibration scales separately."""
 
-    fixed: float = 0.0  # base weights, reserve, logits chunk
+    fixed: float = 0.0  # base weights (this GPU's part), reserve, logits chunk
     activations: float = 0.0  # saved activations of base and LoRA
     adapters: float = 0.0  # adapter params + grads + AdamW states (+ saved low-precision copies)
 
@@ -289,17 +307,52 @@ class CostModel:
         self.calibration = calibration or Calibration()
         self.prior = prior or (PEFT_PRIOR if workload.engine == "peft" else Prior())
 
-    # ---- memory -------------------------------------------------------------------------
-    def _weight_bytes(self) -> float:
-        return self.workload.shape.total_params() * self.workload.dtype_bytes
+    # ---- tensor-parallel split -----------------------------------------------------------
+    def _local_dims(self, module: str, degree: int) -> tuple[float, float]:
+        """(d_in, d_out) of one projection's part on each of ``degree`` GPUs (whole at degree 1)."""
+        d_in, d_out = self.workload.shape.linear_dims(module)
+        if degree == 1:
+            return d_in, d_out
+        return (d_in / degree, d_out) if module in ROW_PARALLEL else (d_in, d_out / degree)
 
+    def weight_bytes(self, degree: int = 1) -> float:
+        """Frozen base weights on each GPU: embeddings, norms and LM head whole, projections ÷ degree."""
+        s = self.workload.shape
+        linear = s.decoder_linear_params()
+        return (s.total_params() - linear + linear / degree) * self.workload.dtype_bytes
+
+    def adapter_params(self, config: AdapterConfig, degree: int = 1) -> float:
+        """Parameters of one adapter's factors on each GPU: A of a column-parallel projection and
+        B of a row-parallel one whole, the other factor ÷ degree (S-LoRA's split)."""
+        w = self.workload
+        if degree == 1:
+            return w.shape.lora_params(config.rank, w.targets)
+        per_layer = sum(sum(self._local_dims(m, degree)) for m in w.targets)
+        return config.rank * per_layer * w.shape.layers
+
+    def replicated_adapter_params(self, config: AdapterConfig) -> int:
+        """Parameters of one adapter's replicated factors (whole on every GPU of a tensor-parallel
+        pack): their gradients are partial sums, all-reduced once per step."""
+        w = self.workload
+        per_layer = 0
+        for module in w.targets:
+            d_in, d_out = w.shape.linear_dims(module)
+            per_layer += d_out if module in ROW_PARALLEL else d_in
+        return config.rank * per_layer * w.shape.layers
+
+    # ---- memory -------------------------------------------------------------------------
     def _logit_bytes_per_token(self) -> float:
         return self.prior.logits_bytes_per_vocab * self.workload.shape.vocab
 
-    def _layer_act_elements_per_token(self) -> float:
+    def _layer_act_elements_per_token(self, degree: int = 1) -> float:
+        """Saved elements per token and decoder layer on each GPU (per-head and MLP parts ÷ degree)."""
         s, p = self.workload.shape, self.prior
         kv = s.kv_heads * s.head_dim
-        return p.saved_per_hidden * s.hidden + p.saved_per_kv * kv + p.saved_per_intermediate * s.intermediate
+        total = p.saved_per_hidden * s.hidden + p.saved_per_kv * kv + p.saved_per_intermediate * s.intermediate
+        if degree == 1:
+            return total
+        replicated = p.saved_replicated_per_hidden * s.hidden
+        return replicated + (total - replicated) / degree
 
     def _copy_bytes_per_param(self) -> float:
         """Saved low-precision copy of the adapter factors (the kernels' A and B), per parameter."""
@@ -312,12 +365,11 @@ class CostModel:
         """Bytes per GPU that the pack needs whatever adapters it holds.
 
         The logits chunk holds ``min(logits_chunk_tokens, tokens_per_gpu)`` rows; ``None`` (the
-        pack's tokens unknown) counts a full chunk.
+        pack's tokens unknown) counts a full chunk. Every GPU of a tensor-parallel pack computes
+        all of the pack's logits, so ``tokens_per_gpu`` is the pack's tokens in one forward.
         """
-        w, s = self.workload, self.workload.shape
-        fixed = self.prior.reserve_gib * GIB + self._weight_bytes() / degree
-        if degree > 1:  # one layer gathered in use plus one prefetched
-            fixed += 2 * s.decoder_linear_params() / s.layers * w.dtype_bytes
+        w = self.workload
+        fixed = self.prior.reserve_gib * GIB + self.weight_bytes(degree)
         if w.logits_chunk_tokens is not None:
             rows = w.logits_chunk_tokens if tokens_per_gpu is None else min(w.logits_chunk_tokens, tokens_per_gpu)
             fixed += rows * self.prior.chunk_logits_bytes_per_vocab * w.shape.vocab
@@ -327,11 +379,12 @@ class CostModel:
         """Bytes per GPU that one adapter adds: its rows' activations and its optimizer state.
 
         Without micro-batching exact; with it, an upper bound (every row's activations), which
-        :meth:`memory_terms` scales down to the largest micro-batch.
+        :meth:`memory_terms` scales down to the largest micro-batch. On a tensor-parallel pack
+        every GPU keeps activations of all the adapter's rows (the per-head and MLP parts split).
         """
         w, s, p = self.workload, self.workload.shape, self.prior
         tokens = config.batch_size * w.seq_len
-        layer_act = tokens * self._layer_act_elements_per_token() * w.dtype_bytes
+        layer_act = tokens * self._layer_act_elements_per_token(degree) * w.dtype_bytes
         lora_act = tokens * config.rank * len(w.targets) * w.dtype_bytes  # x·Aᵀ per target
         if w.checkpointing:  # keep layer inputs; one layer's activations live during recompute
             act = tokens * s.hidden * w.dtype_bytes * s.layers + layer_act + lora_act
@@ -340,8 +393,8 @@ class CostModel:
         act += tokens * p.loss_hidden_rows * s.hidden * w.dtype_bytes
         if w.logits_chunk_tokens is None:
             act += tokens * self._logit_bytes_per_token()
-        states = s.lora_params(config.rank, w.targets) * (p.adapter_state_bytes + self._copy_bytes_per_param())
-        return MemoryTerms(activations=act / degree, adapters=states / degree)
+        states = self.adapter_params(config, degree) * (p.adapter_state_bytes + self._copy_bytes_per_param())
+        return MemoryTerms(activations=act, adapters=states)
 
     def memory_bytes(self, terms: MemoryTerms) -> float:
         """Calibrated bytes of prior memory terms."""
@@ -351,20 +404,21 @@ class CostModel:
         )
 
     def micro_batch_tokens(self, configs: Sequence[AdapterConfig], degree: int = 1) -> float:
-        """Tokens per GPU in the pack's largest forward (all of them without micro-batching)."""
-        tokens = sum(self.tokens_per_step(c) for c in configs) / degree
+        """Tokens in the pack's largest forward (all of them without micro-batching), on each GPU:
+        every GPU of a tensor-parallel pack runs all of them (``degree`` changes nothing)."""
+        tokens = sum(self.tokens_per_step(c) for c in configs)
         rows = self.workload.rows_per_micro_batch
         return tokens if rows is None else min(tokens, rows * self.workload.seq_len)
 
     def micro_batches(self, configs: Sequence[AdapterConfig], degree: int = 1) -> int:
-        """Forwards per step on each GPU (1 without micro-batching)."""
+        """Forwards per step on each GPU (1 without micro-batching; the same at every degree)."""
         rows = self.workload.rows_per_micro_batch
         if rows is None:
             return 1
-        return max(1, math.ceil(sum(c.batch_size for c in configs) / degree / rows))
+        return max(1, math.ceil(sum(c.batch_size for c in configs) / rows))
 
     def memory_terms(self, configs: Sequence[AdapterConfig], degree: int = 1) -> MemoryTerms:
-        tokens = sum(self.tokens_per_step(c) for c in configs) / degree
+        tokens = sum(self.tokens_per_step(c) for c in configs)
         live = self.micro_batch_tokens(configs, degree)
         total = self.base_memory_terms(degree, live)
         for config in configs:
@@ -378,72 +432,89 @@ class CostModel:
         return self.memory_bytes(self.memory_terms(configs, degree))
 
     # ---- time ---------------------------------------------------------------------------
-    def _base_flops_per_token(self) -> float:
-        """Frozen base: forward 2·P + input-gradient backward 2·P, LM head likewise, attention."""
+    def _base_flops_per_token(self, degree: int = 1) -> float:
+        """Frozen base: forward 2·P + input-gradient backward 2·P, LM head likewise, attention.
+
+        Tensor parallelism divides the projections' and attention's FLOPs by the degree; every GPU
+        runs the whole LM head."""
         w, s = self.workload, self.workload.shape
-        linear = s.decoder_linear_params()
-        attention = 2 * w.seq_len * s.hidden * s.layers  # causal QKᵀ and PV forward
+        linear = s.decoder_linear_params() / degree
+        attention = 2 * w.seq_len * s.hidden * s.layers / degree  # causal QKᵀ and PV forward
         flops = 4 * linear + 4 * s.vocab * s.hidden + 3.5 * attention  # flash backward ≈ 2.5 forwards
         if w.checkpointing:
             flops += 2 * linear + attention
         return flops
 
-    def _traffic_bytes_per_token(self) -> float:
+    def _traffic_bytes_per_token(self, degree: int = 1) -> float:
         w, s, p = self.workload, self.workload.shape, self.prior
-        saved = s.layers * self._layer_act_elements_per_token() * w.dtype_bytes
+        saved = s.layers * self._layer_act_elements_per_token(degree) * w.dtype_bytes
         if w.checkpointing:
             saved *= 1 + p.forward_share
         if w.logits_chunk_tokens is None:
             return p.traffic_passes * (saved + self._logit_bytes_per_token())
         return p.traffic_passes * saved + p.chunk_logit_traffic_bytes * s.vocab
 
-    def _lora_bytes_per_token(self) -> float:
+    def _lora_bytes_per_token(self, degree: int = 1) -> float:
+        """LoRA kernels' activation bytes: inputs and outputs of the projection part each GPU holds."""
         w, s, p = self.workload, self.workload.shape, self.prior
-        dims = [s.linear_dims(m) for m in w.targets]
+        dims = [self._local_dims(m, degree) for m in w.targets]
         per_layer = sum(p.lora_input_passes * d_in + p.lora_output_passes * d_out for d_in, d_out in dims)
         extra = 1 + p.forward_share if w.checkpointing else 1.0
         return per_layer * s.layers * w.dtype_bytes * extra
 
-    def _comm_fraction(self, degree: int) -> float:
-        return (degree - 1) / degree / (self.gpu.link_gbs * 1e9)
+    def _ring_seconds_per_byte(self, degree: int) -> float:
+        """Seconds per byte of a ring all-reduce over ``degree`` GPUs: each sends 2(d-1)/d of it."""
+        return 2 * (degree - 1) / degree / (self.gpu.link_gbs * 1e9)
+
+    def comm_bytes(self, config: AdapterConfig, degree: int) -> float:
+        """Bytes that one adapter adds to a tensor-parallel step's all-reduces (0 at degree 1).
+
+        Per token and layer, the hidden states of the attention and MLP blocks' outputs in the
+        forward and of their inputs' gradients in the backward (but the first block's: its input,
+        the frozen embeddings, needs no gradient); under checkpointing the attention block's output
+        again in the recomputed forward (which stops after the last tensor the backward needs,
+        before the MLP block's all-reduce). Per step, the replicated factors' fp32 gradients.
+        """
+        if degree == 1:
+            return 0.0
+        w, s = self.workload, self.workload.shape
+        blocks = (5 if w.checkpointing else 4) * s.layers - 1
+        hidden_states = self.tokens_per_step(config) * blocks * s.hidden * w.dtype_bytes
+        return hidden_states + 4 * self.replicated_adapter_params(config)
 
     def overhead_terms(self, degree: int, micro_batches: int = 1) -> StepTerms:
-        """Per-step seconds of a pack with no adapters: launches, fixed kernels, weight gathers."""
+        """Per-step seconds of a pack with no adapters: launches and fixed kernels (the same on
+        every GPU of a tensor-parallel pack; its communication grows with the adapters' tokens)."""
         w, s, p = self.workload, self.workload.shape, self.prior
         launch = s.layers * (p.launch_per_layer_s + p.launch_per_target_s * len(w.targets))
         fixed = s.layers * p.gpu_fixed_per_layer_s
         if w.checkpointing:  # the recomputed forward issues its kernels again
             launch *= 1 + p.forward_share
             fixed *= 1 + p.forward_share
-        comm = 2 * self._weight_bytes() * self._comm_fraction(degree)
-        return StepTerms(launch=micro_batches * launch, fixed=micro_batches * fixed, comm=micro_batches * comm)
+        return StepTerms(launch=micro_batches * launch, fixed=micro_batches * fixed)
 
     def adapter_terms(self, config: AdapterConfig, degree: int, micro_batches: int = 1) -> StepTerms:
         """Per-step seconds that one adapter adds: its rows through the base, its LoRA work, its
-        optimizer update (``micro_batches``: forwards per step, which repeat the adapter casts)."""
+        optimizer update (``micro_batches``: forwards per step, which repeat the adapter casts)
+        and, on ``degree`` > 1 GPUs, its share of the all-reduces."""
         w, p = self.workload, self.prior
         rate = self.gpu.matmul_tflops * 1e12
         bandwidth = self.gpu.bandwidth_tbs * 1e12
         tokens = config.batch_size * w.seq_len
         base = tokens * (
-            self._base_flops_per_token() / (rate * p.matmul_efficiency) + self._traffic_bytes_per_token() / bandwidth
+            self._base_flops_per_token(degree) / (rate * p.matmul_efficiency)
+            + self._traffic_bytes_per_token(degree) / bandwidth
         )
-        params = w.shape.lora_params(config.rank, w.targets)
+        params = self.adapter_params(config, degree)
         lora_flops = (8 if w.checkpointing else 6) * tokens * params
         lora = (
             lora_flops / (rate * p.lora_efficiency)
-            + tokens * self._lora_bytes_per_token() / bandwidth
+            + tokens * self._lora_bytes_per_token(degree) / bandwidth
             + micro_batches * params * p.micro_param_bytes / bandwidth
         )
         optimizer = params * p.step_param_bytes / (bandwidth * p.optimizer_bandwidth_efficiency)
-        comm = 2 * 4 * params * self._comm_fraction(degree)  # fp32 gradient all-reduce
-        return StepTerms(
-            launch=p.launch_per_adapter_s,
-            base=base / degree,
-            lora=lora / degree,
-            comm=comm,
-            optimizer=optimizer / degree,
-        )
+        comm = self.comm_bytes(config, degree) * self._ring_seconds_per_byte(degree)
+        return StepTerms(launch=p.launch_per_adapter_s, base=base, lora=lora, comm=comm, optimizer=optimizer)
 
     def launch_seconds(self, terms: StepTerms) -> float:
         """Calibrated host seconds of a step."""
@@ -451,10 +522,15 @@ class CostModel:
         return c.launch * terms.launch
 
     def device_seconds(self, terms: StepTerms) -> float:
-        """Calibrated GPU seconds of a step."""
+        """Calibrated GPU seconds of a step (communication included: the next kernel waits for it)."""
         c = self.calibration
-        scaled = c.fixed * terms.fixed + c.base * terms.base + c.lora * terms.lora + c.optimizer * terms.optimizer
-        return scaled + terms.comm
+        return (
+            c.fixed * terms.fixed
+            + c.base * terms.base
+            + c.lora * terms.lora
+            + c.optimizer * terms.optimizer
+            + c.comm * terms.comm
+        )
 
     def seconds(self, terms: StepTerms) -> float:
         """Calibrated seconds of a step: host and GPU overlap when launches are asynchronous (the

@@ -122,7 +122,8 @@ class PackSearch:
                 capacity=self.memory_limit - full_chunk,
                 memory=np.array([cm.memory_bytes(cm.adapter_memory_terms(t.example, degree)) for t in self.types]),
                 capacity_bare=self.memory_limit - no_chunk,
-                logits=(full_chunk - no_chunk) / chunk_tokens * tokens / degree,
+                # every GPU of a tensor-parallel pack computes logits for all of the pack's tokens
+                logits=(full_chunk - no_chunk) / chunk_tokens * tokens,
                 launch=launch,
                 device=device,
                 launch_fixed=launch_fixed,

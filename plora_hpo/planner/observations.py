@@ -115,14 +115,18 @@ class Observation:
 
 
 def fit_calibration(observations: Sequence[Observation], shape: ModelShape, gpu: GpuSpec) -> Calibration:
-    """Least-squares factors (relative errors, ridge towards 1.0) for time and memory separately."""
+    """Least-squares factors (relative errors, ridge towards 1.0) for time and memory separately.
+
+    Observations of every degree refit the same factors, each through the terms of its degree;
+    ``comm`` (tensor-parallel all-reduces) is fitted only when some observation has degree > 1
+    and stays 1.0 otherwise."""
     time_rows, time_y, mem_rows, mem_y = [], [], [], []
     for obs in observations:
         model = CostModel(obs.workload(shape), gpu)
         configs = obs.configs()
         if obs.step_seconds:
             terms = model.step_terms(configs, obs.degree)
-            time_rows.append((terms.launch, terms.fixed, terms.base, terms.lora, terms.optimizer, terms.comm))
+            time_rows.append([getattr(terms, name) for name in TIME_FACTORS])
             time_y.append(obs.step_seconds)
         if obs.peak_bytes:
             terms = model.memory_terms(configs, obs.degree)
@@ -131,35 +135,45 @@ def fit_calibration(observations: Sequence[Observation], shape: ModelShape, gpu:
 
     def time_model(theta: np.ndarray, rows: np.ndarray) -> np.ndarray:
         host = theta[0] * rows[:, 0]
-        device = rows[:, 1:5] @ theta[1:5] + rows[:, 5]
+        device = rows[:, 1:] @ theta[1:]
         return np.maximum(host, device) if gpu.async_launch else host + device
 
     factors = dict.fromkeys(TIME_FACTORS + MEMORY_FACTORS, 1.0)
     if time_y:
-        fitted = _fit(time_model, np.array(time_rows), np.array(time_y), len(TIME_FACTORS))
+        rows = np.array(time_rows)
+        free = np.ones(len(TIME_FACTORS), dtype=bool)
+        free[TIME_FACTORS.index("comm")] = bool(rows[:, TIME_FACTORS.index("comm")].any())
+        fitted = _fit(time_model, rows, np.array(time_y), free)
         factors.update(zip(TIME_FACTORS, fitted))
     if mem_y:
-        fitted = _fit(lambda t, r: r @ t, np.array(mem_rows), np.array(mem_y), len(MEMORY_FACTORS))
+        free = np.ones(len(MEMORY_FACTORS), dtype=bool)
+        fitted = _fit(lambda t, r: r @ t, np.array(mem_rows), np.array(mem_y), free)
         factors.update(zip(MEMORY_FACTORS, fitted))
     return Calibration(**factors, observations=len(observations))
 
 
-def _fit(model, rows: np.ndarray, measured: np.ndarray, n: int) -> list[float]:
+def _fit(model, rows: np.ndarray, measured: np.ndarray, free: np.ndarray) -> list[float]:
     """Bounded least squares on relative residuals plus a ridge towards 1, from the prior (all 1).
 
     Relative residuals weigh a 0.1 s pack like a 10 s one; the ridge keeps factors that no
-    observation informs (e.g. the device factors when every pack is launch-bound) at 1.0.
+    observation informs (e.g. the device factors when every pack is launch-bound) at 1.0. Factors
+    not ``free`` (a term no observation has) stay exactly 1.0.
     scipy is imported here, not at module level: the trainer and the GPU benchmarks import this
     module (through :mod:`plora_hpo.planner`) for the cost model and the calibration files, and only
     refitting needs scipy.
     """
     from scipy.optimize import least_squares
 
-    def residuals(theta: np.ndarray) -> np.ndarray:
-        return np.concatenate([model(theta, rows) / measured - 1.0, np.sqrt(_RIDGE) * (theta - 1.0)])
+    def full(theta: np.ndarray) -> np.ndarray:
+        values = np.ones(len(free))
+        values[free] = theta
+        return values
 
-    result = least_squares(residuals, np.ones(n), bounds=_BOUNDS, method="trf")
-    return [float(v) for v in result.x]
+    def residuals(theta: np.ndarray) -> np.ndarray:
+        return np.concatenate([model(full(theta), rows) / measured - 1.0, np.sqrt(_RIDGE) * (theta - 1.0)])
+
+    result = least_squares(residuals, np.ones(int(free.sum())), bounds=_BOUNDS, method="trf")
+    return [float(v) for v in full(result.x)]
 
 
 def held_out_errors(
@@ -168,7 +182,7 @@ def held_out_errors(
     """Calibrate on ``fit_on``, predict ``predict``: how well calibration carries to other packs.
 
     Returns ``{"calibration": factors, "rows": [...], "memory_error_max", "step_error_max",
-    "memory_prior_error_max", "step_prior_error_max"}``; each row has the pack (K, ranks, batch
+    "memory_prior_error_max", "step_prior_error_max"}``; each row has the pack (K, degree, ranks, batch
     sizes, seq_len, micro_batch_tokens, checkpointing), the measured values and the signed
     relative errors ``(pred - measured) / measured`` of the prior and of the calibrated model.
     """
@@ -180,6 +194,7 @@ def held_out_errors(
         configs = obs.configs()
         row = {
             "K": len(configs),
+            "degree": obs.degree,
             "ranks": list(obs.ranks),
             "batch_sizes": list(obs.batch_sizes),
             "seq_len": obs.seq_len,

@@ -56,6 +56,30 @@ def test_multi_gpu_adds_communication():
     assert cm.step_terms([config()], degree=2).comm > 0
 
 
+@pytest.mark.parametrize("degree", [2, 4, 8])
+def test_tensor_parallel_splits_projections_and_heads_not_tokens(degree):
+    """Every GPU of a tensor-parallel pack holds the replicated parts whole and runs all the pack's
+    tokens: per GPU, memory and time shrink by less than the degree, and all-reduces grow with tokens."""
+    cm = model("qwen2.5-7b", micro_batch_tokens=2048)
+    shape = cm.workload.shape
+    pack = [config(16, 8), config(64, 4)]
+    linear = shape.decoder_linear_params() * 2
+    assert cm.weight_bytes(degree) == pytest.approx(cm.weight_bytes(1) - linear * (1 - 1 / degree))
+    assert cm.micro_batches(pack, degree) == cm.micro_batches(pack) == 3  # 12 rows, 4 a forward
+    assert cm.micro_batch_tokens(pack, degree) == cm.micro_batch_tokens(pack) == 2048
+    one, split = cm.memory_terms(pack), cm.memory_terms(pack, degree)
+    assert one.activations / degree < split.activations < one.activations
+    assert one.adapters / degree < split.adapters < one.adapters
+    t1, td = cm.step_terms(pack), cm.step_terms(pack, degree)
+    assert t1.base / degree < td.base < t1.base  # the LM head is not split
+    assert t1.lora / degree < td.lora < t1.lora  # replicated factors' work is not split
+    assert td.launch == t1.launch and td.fixed == t1.fixed
+    twice = cm.step_terms([config(16, 16)], degree).comm
+    assert twice == pytest.approx(2 * cm.step_terms([config(16, 8)], degree).comm, rel=0.01)
+    # a ring sends 2(d-1)/d of the bytes: seconds grow with the degree, towards twice degree 2's
+    assert td.comm == pytest.approx(cm.step_terms(pack, 2).comm * 2 * (degree - 1) / degree)
+
+
 @pytest.mark.parametrize(("name", "batch", "tokens_per_s", "peak_gib"), PEFT_H200_REFERENCE)
 def test_prior_matches_h200_reference(name, batch, tokens_per_s, peak_gib):
     cm = model(name, logits_chunk_tokens=None, engine="peft")

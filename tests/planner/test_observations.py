@@ -15,6 +15,7 @@ from plora_hpo.planner.observations import (
     Observation,
     calibration_path,
     fit_calibration,
+    held_out_errors,
     load_calibration,
     record_observation,
 )
@@ -29,14 +30,14 @@ TRUTH = Calibration(
 )
 
 
-def synthetic_observations(truth: Calibration) -> list[Observation]:
+def synthetic_observations(truth: Calibration, degrees: tuple[int, ...] = (1,)) -> list[Observation]:
     """Packs from launch-bound to compute-bound, measured by the prior scaled with ``truth``.
 
     The packed engine's host time per forward is ~0.35 s at qwen2.5-1.5b, so packs of 16 are
     needed for several device-bound rows (what identifies the device factors)."""
     model = CostModel(Workload(SHAPE, 512), GPU, truth)
     observations = []
-    for rank, batch, k in itertools.product((8, 64, 256), (1, 4, 16), (1, 4, 16)):
+    for degree, rank, batch, k in itertools.product(degrees, (8, 64, 256), (1, 4, 16), (1, 4, 16)):
         configs = [config(rank, batch)] * k
         observations.append(
             Observation(
@@ -44,8 +45,9 @@ def synthetic_observations(truth: Calibration) -> list[Observation]:
                 batch_sizes=(batch,) * k,
                 seq_len=512,
                 targets=TARGET_MODULES,
-                step_seconds=model.step_seconds(configs),
-                peak_bytes=model.peak_memory(configs),
+                step_seconds=model.step_seconds(configs, degree),
+                peak_bytes=model.peak_memory(configs, degree),
+                degree=degree,
             )
         )
     return observations
@@ -92,8 +94,9 @@ LOW, HIGH = _BOUNDS
     ids=["all-below", "all-above", "mixed"],
 )
 def test_fit_stays_within_the_bounds(truth, pinned):
-    """Packs measured far outside what the factors may express: the factors stop at the bounds."""
-    fitted = fit_calibration(synthetic_observations(truth), SHAPE, GPU)
+    """Packs measured far outside what the factors may express: the factors stop at the bounds.
+    (Degree-2 packs too: only they inform ``comm``.)"""
+    fitted = fit_calibration(synthetic_observations(truth, degrees=(1, 2)), SHAPE, GPU)
     for name, value in fitted.factors().items():
         assert LOW <= value <= HIGH, name
     for name, bound in pinned.items():
@@ -153,3 +156,74 @@ def test_bad_inputs_and_files():
     path.write_text("{not json")
     with pytest.raises(PloraError, match="delete it"):
         load_calibration("qwen2.5-1.5b", "H200")
+
+
+# a tensor-parallel truth: every time factor off 1.0, the all-reduces' (comm) included
+TP_TRUTH = Calibration(
+    launch=1.2,
+    fixed=1.1,
+    base=1.3,
+    lora=0.7,
+    optimizer=1.4,
+    comm=2.5,
+    memory_fixed=1.05,
+    memory_activations=1.2,
+    memory_adapters=0.9,
+)
+
+
+def held_out_degree_two(truth: Calibration) -> list[Observation]:
+    """Mixed packs of degree 2, none of them among the fitted ones."""
+    model = CostModel(Workload(SHAPE, 512), GPU, truth)
+    packs = [[(32, 8), (128, 2), (16, 12)], [(16, 16)] * 6, [(8, 32), (64, 32)], [(256, 24)] * 3]
+    observations = []
+    for pack in packs:
+        configs = [config(r, b) for r, b in pack]
+        ranks, batches = zip(*pack)
+        observations.append(
+            Observation(
+                ranks=ranks,
+                batch_sizes=batches,
+                seq_len=512,
+                targets=TARGET_MODULES,
+                step_seconds=model.step_seconds(configs, 2),
+                peak_bytes=model.peak_memory(configs, 2),
+                degree=2,
+            )
+        )
+    return observations
+
+
+def test_degree_one_packs_leave_the_comm_factor_alone():
+    fitted = fit_calibration(synthetic_observations(TP_TRUTH), SHAPE, GPU)
+    assert fitted.comm == 1.0
+    assert fitted.base == pytest.approx(1.3, rel=0.02)
+
+
+def test_degree_two_packs_refit_through_the_same_calibration():
+    """Packs of degree 1 and 2 measured by a known truth: the calibrated model predicts other
+    degree-2 packs' step time and peak memory within 2%, where the prior is off by more than 10%;
+    degree-1 packs alone cannot tell the all-reduces' factor."""
+    predict = held_out_degree_two(TP_TRUTH)
+    result = held_out_errors(synthetic_observations(TP_TRUTH, degrees=(1, 2)), predict, SHAPE, GPU)
+    assert result["calibration"]["comm"] == pytest.approx(2.5, rel=0.05)
+    assert result["step_error_max"] < 0.02 < 0.1 < result["step_prior_error_max"]
+    assert result["memory_error_max"] < 0.02 < 0.1 < result["memory_prior_error_max"]
+    one_only = held_out_errors(synthetic_observations(TP_TRUTH), predict, SHAPE, GPU)
+    assert one_only["step_error_max"] > 0.03  # the all-reduces' seconds stay at the prior's
+
+
+def test_a_recorded_degree_two_pack_keeps_its_degree(calibration_cache):
+    configs = [config(16, 16)] * 8  # device-bound at degree 2
+    prior = CostModel(Workload(SHAPE, 512), GPU)
+    terms = prior.step_terms(configs, 2)
+    assert prior.device_seconds(terms) > prior.launch_seconds(terms)
+    seconds = 1.5 * prior.step_seconds(configs, 2)
+    for _ in range(3):
+        fitted = record_observation("qwen2.5-1.5b", "H200", configs, 512, TARGET_MODULES, seconds, None, degree=2)
+    stored = json.loads(calibration_path("qwen2.5-1.5b", "H200").read_text())
+    assert [o["degree"] for o in stored["observations"]] == [2, 2, 2]
+    assert Observation.from_dict(stored["observations"][0]).degree == 2
+    assert fitted.comm > 1.0  # a degree-2 pack informs the all-reduces' factor
+    after = CostModel(Workload(SHAPE, 512), GPU, fitted).step_seconds(configs, 2)
+    assert after == pytest.approx(seconds, rel=0.05)
