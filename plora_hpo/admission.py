@@ -45,6 +45,7 @@ class Room:
         memory_limit: bytes a pack may use, in the cost model's (uncorrected) units.
         cost_model: the device's calibrated memory and step-time model.
         idle_peers: other devices of the sweep waiting for trials right now.
+        degree: GPUs the pack is split over (a tensor-parallel group); ``memory_limit`` is per GPU.
     """
 
     members: tuple[AdapterConfig, ...]
@@ -52,11 +53,13 @@ class Room:
     memory_limit: float
     cost_model: CostModel
     idle_peers: int = 0
+    degree: int = 1
 
     def fits(self, configs: Sequence[AdapterConfig]) -> bool:
         """Whether ``configs`` join the members within the slots and the memory limit."""
         together = [*self.members, *configs]
-        return len(configs) <= self.free_slots and self.cost_model.peak_memory(together) <= self.memory_limit
+        peak = self.cost_model.peak_memory(together, self.degree)
+        return len(configs) <= self.free_slots and peak <= self.memory_limit
 
 
 @dataclass
@@ -161,7 +164,7 @@ class PlannerAdmission(AdmissionPolicy):
                 members_of[t.key] = []
                 types.append(t)
             members_of[t.key].append(index)
-        taken = sum(cm.memory_bytes(cm.adapter_memory_terms(c, 1)) for c in room.members)
+        taken = sum(cm.memory_bytes(cm.adapter_memory_terms(c, room.degree)) for c in room.members)
         search = PackSearch(
             cm,
             types,
@@ -171,7 +174,7 @@ class PlannerAdmission(AdmissionPolicy):
             long_first=self.long_first,
         )
         counts = np.array([len(members_of[t.key]) for t in types], dtype=int)
-        choice = search.best(1, counts)
+        choice = search.best(room.degree, counts)
         chosen: list[int] = []
         if choice is not None:
             for t, n in zip(types, choice.counts):
@@ -189,8 +192,11 @@ class PlannerAdmission(AdmissionPolicy):
         return chosen
 
     def _plan_for_idle_devices(self, waiting: Sequence[Candidate], room: Room) -> tuple[list[list[int]], str]:
-        """The packs of a DTM plan over this device and its idle peers (degree 1 each), this
-        device's first; each trimmed to what the cost model says fits."""
+        """The packs of a DTM plan over this device and its idle peers, this device's first; each
+        trimmed to what the cost model says fits.
+
+        The plan treats each device (or tensor-parallel group) as one GPU at one GPU's memory, which
+        for a group is conservative; the room's degree-aware fit then trims and fills the packs."""
         from plora_hpo.planner.simulate import JobPlanner
 
         cm = room.cost_model
@@ -234,7 +240,7 @@ def _spread_deferred(packs: list[list[int]], waiting: Sequence[Candidate], room:
             together = [*pack, i]
             if len(together) > room.free_slots or not room.fits([waiting[k].config for k in together]):
                 continue
-            end = drain_seconds(cm, [waiting[k] for k in together])
+            end = drain_seconds(cm, [waiting[k] for k in together], room.degree)
             if end < best_end:
                 best, best_end = pack, end
         if best is not None:
@@ -243,13 +249,14 @@ def _spread_deferred(packs: list[list[int]], waiting: Sequence[Candidate], room:
         pack.sort()
 
 
-def drain_seconds(cm: CostModel, members: Sequence[Candidate]) -> float:
-    """Predicted seconds until a pack of ``members`` ends, each leaving after its own steps (no refill)."""
+def drain_seconds(cm: CostModel, members: Sequence[Candidate], degree: int = 1) -> float:
+    """Predicted seconds until a pack of ``members`` on ``degree`` GPUs ends, each leaving after its
+    own steps (no refill)."""
     left = sorted(members, key=lambda c: c.steps)
     seconds, done = 0.0, 0
     while left:
         steps = left[0].steps - done
-        seconds += steps * cm.step_seconds([c.config for c in left])
+        seconds += steps * cm.step_seconds([c.config for c in left], degree)
         done = left[0].steps
         left = [c for c in left if c.steps > done]
     return seconds

@@ -147,6 +147,7 @@ class DeviceWorker:
         self.new_pack_id = pack_id
         self.clock = clock
         self.channel = channel
+        self.degree = 1 if channel is None else channel.degree  # GPUs each pack is split over
         self.score: AdapterScorer = scorer or self._lm_eval_scores
         self._samples: dict[tuple[str, int], dict[str, list[int]] | None] = {}
         self.export: AdapterExporter = exporter or self._peft_export
@@ -237,7 +238,7 @@ class DeviceWorker:
         return LOAD_FACTOR * usable_memory_bytes(self.device, self.gpu.memory_bytes)
 
     def predicted_memory(self, configs: list[Any]) -> float:
-        return self.memory_correction * self.cost.peak_memory(configs)
+        return self.memory_correction * self.cost.peak_memory(configs, self.degree)
 
     def fits(self, configs: list[Any]) -> bool:
         return len(configs) <= self.config.pack.size and self.predicted_memory(configs) <= self.memory_limit
@@ -250,6 +251,7 @@ class DeviceWorker:
             idle_peers=idle_peers,
             memory_limit=self.memory_limit / self.memory_correction,
             cost_model=self.cost,
+            degree=self.degree,
         )
 
     def save_checkpoint(self, request: TrialRequest, state: AdapterState, extra: dict[str, str]) -> None:
@@ -571,7 +573,7 @@ class _Pack:
             labels=[self.slots[a].request.config.label() for a in ids],
             joined=self._joined,
             start=self.worker.clock(),
-            predicted_step_seconds=self.worker.cost.step_seconds(configs),
+            predicted_step_seconds=self.worker.cost.step_seconds(configs, self.worker.degree),
             predicted_peak_gib=self.worker.predicted_memory(configs) / 2**30,
         )
         self._joined = []
@@ -799,7 +801,7 @@ class _Pack:
         worker = self.worker
         ids = list(self.trainer.jobs)
         configs = [self.slots[a].request.config for a in ids]
-        predicted = worker.cost.peak_memory(configs)
+        predicted = worker.cost.peak_memory(configs, worker.degree)
         # the pack needed more than this process could hold: scale predictions up to at least that
         usable = usable_memory_bytes(worker.device, worker.gpu.memory_bytes)
         worker.memory_correction = max(worker.memory_correction, 1.05 * usable / predicted)
@@ -853,7 +855,7 @@ class _Pack:
             workload.targets,
             step_seconds=sum(seconds[1:]) / CALIBRATION_STEPS,
             peak_bytes=peak,
-            degree=1 if worker.channel is None else worker.channel.degree,
+            degree=worker.degree,
             dtype_bytes=workload.dtype_bytes,
             checkpointing=workload.checkpointing,
             logits_chunk_tokens=workload.logits_chunk_tokens,

@@ -261,3 +261,20 @@ def test_a_plan_for_idle_devices_leaves_no_trial_waiting_that_a_starting_pack_fi
     for i in set(range(len(waiting))) - set(flat):  # what still waits fits no starting pack
         assert all(len(p) >= 32 or not r.fits([waiting[k].config for k in [*p, i]]) for p in packs)
     assert all(r.fits([waiting[k].config for k in p]) for p in packs)
+
+
+@pytest.mark.parametrize("policy", [FifoAdmission, PlannerAdmission])
+def test_a_tensor_parallel_group_admits_by_its_per_gpu_memory(policy):
+    """Each GPU of a degree-2 group holds half the projections and adapters' split factors: a
+    limit that holds a few adapters on one GPU holds more on each GPU of the group."""
+    _, shape = resolve_model("qwen2.5-7b")
+    cm = CostModel(Workload(shape, 512, TARGETS), GpuSpec("NVIDIA H200", 141.0))
+    big = cfg(rank=64, batch=8)
+    waiting = [Candidate(AdapterConfig(64, 64.0, 2e-4, 8, seed=i), 100) for i in range(16)]
+    limit = cm.peak_memory([big] * 4) * 1.001
+    one = Room(members=(), free_slots=16, memory_limit=limit, cost_model=cm)
+    two = Room(members=(), free_slots=16, memory_limit=limit, cost_model=cm, degree=2)
+    alone, split = policy().select(waiting, one), policy().select(waiting, two)
+    assert len(alone) == 4
+    assert len(split) > len(alone)
+    assert cm.peak_memory([w.config for w in waiting][: len(split)], 2) <= limit

@@ -59,7 +59,7 @@ def plan_packs(
         num_gpus: GPUs in the pool.
         steps: optimizer steps per config (one number for all, or one per config); see
             :func:`steps_for_epochs` for epoch budgets.
-        max_degree: most GPUs per pack (the sweep executes degree 1 only for now).
+        max_degree: most GPUs per pack (a sweep runs every pack at its ``pack.degree``).
         max_pack_size: most adapters per pack.
         load_factor: fraction C of each GPU's memory a pack may plan to use.
         solver: ``"auto"`` (gurobipy, HiGHS when gurobipy cannot), ``"gurobi"`` or ``"highs"``.
