@@ -3,17 +3,20 @@
 Runs the real CLI (``plora-hpo sweep``) on the embedded SmolLM2-135M with real GLUE data from a
 data folder, on the CPU (a long run, not CI) or a GPU (``--device cuda``):
 
-1. **search**: a grid that contains the default (r 16, alpha 16, lr 2e-4, batch 2), trained
-   ``--steps`` steps, each config scored on the task's whole dev set. ``--space subset`` is
-   rank 16 × alpha multiplier {1, 4} × lr {2e-4, 4e-4} × batch {2, 8} (8 configs, for the CPU);
-   ``--space paper120`` is ``search_spaces/paper120.yaml``'s whole 120-config grid;
+1. **search** (or, with ``--search-from``, the search of an earlier results file made with the
+   same settings, so a device call too short for every stage continues in the next): a grid that
+   contains the default (r 16, alpha 16, lr 2e-4, batch 2), trained ``--steps`` steps, each config
+   scored on the task's whole dev set. ``--space subset`` is rank 16 × alpha multiplier {1, 4} ×
+   lr {2e-4, 4e-4} × batch {2, 8} (8 configs, for the CPU); ``--space paper120`` is
+   ``search_spaces/paper120.yaml``'s whole 120-config grid;
 2. **seeds**: the default and the search's best config (the top one under seed 0) again under
    seeds 1 … n-1 (the sweep's ``seed`` sets the adapter inits and data order), one sweep per
    seed, ``--jobs`` of them at once, so each has ``--seeds`` scores. The best config's seed-0
    score is the maximum of the grid, biased upwards, so the gain over the default is also given
    over the fresh seeds alone, against their sample standard deviations;
-3. **check**: the best adapter's exported files scored by lm-eval's own ``HFLM`` + PEFT on the
-   same documents (same device and dtype as the sweep), against the sweep's score.
+3. **check**: the best config's newest exported adapter (of the last seed run, else of the
+   search) scored by lm-eval's own ``HFLM`` + PEFT on the same documents (same device and dtype
+   as the sweep), against the sweep's score.
 
 Reported per config: the metric, its standard error, the share of each predicted answer (a
 classifier that answers one class everywhere shows up), and the training loss at each tenth of
@@ -26,7 +29,8 @@ Usage::
     python benchmarks/quality.py --data-dir ../shared/data --task cola [--task mrpc] [--steps 200]
     python benchmarks/quality.py --smoke --data-dir ../shared/data   # minutes: every code path
     python3 benchmarks/quality.py --device cuda --space paper120 --steps 1000 --pack-size 120 \
-        --eval-batch-size 4096 --jobs 3 --data-dir .device_data --out $OUT/quality-h200.json   # a GPU
+        --eval-batch-size 2048 --jobs 3 --seeds 4 --data-dir .device_data --out $OUT/quality-h200.json   # a GPU
+    python3 benchmarks/quality.py ... --search-from benchmarks/results/quality-h200.json   # the later stages
 
 The JSON (machine, date, versions, command) goes to ``--out``; a short table prints last.
 """
@@ -186,26 +190,26 @@ def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: st
 
 
 def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: Callable[[], None]) -> None:
-    """Fill ``entry`` stage by stage (search; the HFLM check and seeds within ``--budget-s``)."""
+    """Fill ``entry`` stage by stage: the search (or an earlier run's), then within ``--budget-s``
+    the seeds and the HFLM check of the best config's newest exported adapter."""
     from plora_hpo.config import load_sweep
     from plora_hpo.study import study_name
 
-    entry.update(task=task, metric=_primary(task), skipped=[])
-    space = paper120_space() if args.space == "paper120" else SUBSET
-    file = sweep_file(work / f"{task}-s0.yaml", task, args, 0, space)
-    entry["seconds"] = {"search": run_sweeps([file], [work / f"{task}-search"], args)[0]}
-    configs = trials_of(work / f"{task}-search", study_name(load_sweep(file), task))
+    entry.update(task=task, metric=_primary(task), skipped=[], seconds={})
+    if args.search_from:
+        configs = earlier_search(args, task)
+        entry["search_from"] = {"file": str(args.search_from), **earlier_run(args.search_from)}
+    else:
+        space = paper120_space() if args.space == "paper120" else SUBSET
+        file = sweep_file(work / f"{task}-s0.yaml", task, args, 0, space)
+        entry["seconds"]["search"] = run_sweeps([file], [work / f"{task}-search"], args)[0]
+        configs = trials_of(work / f"{task}-search", study_name(load_sweep(file), task))
     default = next(r for r in configs if same(r["params"], DEFAULT))
     best = max(configs, key=lambda r: r["value"])  # what one search picks
     seeds = {"default": [default["value"]], "best": [best["value"]]}
     entry.update(configs=configs, best_params=best["params"], seeds=seeds)
     save()
-    if within_budget(args, "hflm_check", entry):
-        check = hflm_check(task, best["adapter_dir"], args, entry["metric"])
-        check["sweep"] = best["value"]
-        check["same_documents"] = args.eval_limit is None  # a limit samples the sweep's documents at random
-        entry["hflm_check"] = check
-        save()
+    checked = best if Path(best.get("adapter_dir") or "").is_dir() else None  # an earlier run's is gone
     fresh = list(range(1, args.seeds))
     if fresh and within_budget(args, "seeds", entry):
         pair = {k: {"choices": sorted({DEFAULT[k], best["params"][k]})} for k in DEFAULT}
@@ -215,10 +219,38 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
             entry["seconds"][f"seed{seed}"] = wall
         for f, d in zip(files, run_dirs, strict=True):
             rows = trials_of(d, study_name(load_sweep(f), task))
-            for key, params in (("default", DEFAULT), ("best", best["params"])):
-                seeds[key].append(next(r["value"] for r in rows if same(r["params"], params)))
+            seeds["default"].append(next(r["value"] for r in rows if same(r["params"], DEFAULT)))
+            checked = next(r for r in rows if same(r["params"], best["params"]))
+            seeds["best"].append(checked["value"])
         entry.update(gains(seeds))
         save()
+    if checked is not None and within_budget(args, "hflm_check", entry):
+        check = hflm_check(task, checked["adapter_dir"], args, entry["metric"])
+        check["sweep"] = checked["value"]
+        check["same_documents"] = args.eval_limit is None  # a limit samples the sweep's documents at random
+        entry["hflm_check"] = check
+        save()
+
+
+def earlier_run(path: Path) -> dict:
+    """Where an earlier results file came from (its date, machine and command)."""
+    data = json.loads(path.read_text())
+    return {k: data[k] for k in ("date", "machine", "command")}
+
+
+def earlier_search(args: argparse.Namespace, task: str) -> list[dict]:
+    """The search rows of ``task`` in an earlier results file made with the same settings."""
+    data = json.loads(args.search_from.read_text())
+    for key in ("steps", "seq_len", "space", "eval_limit"):
+        if data["settings"].get(key) != getattr(args, key):
+            raise SystemExit(
+                f"--search-from {args.search_from}: its {key} is {data['settings'].get(key)!r}, this run's "
+                f"{getattr(args, key)!r}; give the same settings"
+            )
+    entry = next((t for t in data["tasks"] if t.get("task") == task and t.get("configs")), None)
+    if entry is None:
+        raise SystemExit(f"--search-from {args.search_from}: no finished search of {task}; run the search")
+    return entry["configs"]
 
 
 def gains(seeds: dict[str, list[float]]) -> dict:
@@ -311,6 +343,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cpu", help="the sweep's --device (cpu, cuda)")
     p.add_argument("--pack-size", type=int, default=8, help="the sweep's pack.size")
     p.add_argument("--eval-batch-size", type=int, default=32, help="rows per forward, shared by a pack's adapters")
+    p.add_argument(
+        "--search-from",
+        type=Path,
+        default=None,
+        help="take the search of this earlier results file (same settings) and run only the later stages",
+    )
     p.add_argument("--jobs", type=int, default=1, help="seed sweeps running at once (a GPU has room for several)")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no stage after the search past this")
     p.add_argument("--smoke", action="store_true", help="4 steps, 3 seeds, 16 documents: every code path")
