@@ -32,7 +32,6 @@ import shutil
 import signal
 import subprocess
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -188,21 +187,17 @@ class SweepRun:
             if self.processes is None:
                 self.processes = len(devices) > 1 or config.pack.degree > 1
             self.devices = [str(d) for d in devices]
-            # the MLflow store's first use (client, schema migrations) waits mostly on I/O: it
-            # overlaps the base model's loading instead of following it
-            with ThreadPoolExecutor(1, thread_name_prefix="plora-mlflow-open") as opener:
-                reachable = opener.submit(self.tracker.check_reachable)
-                if not self.processes:
-                    self.progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
-                    self.sweep = PackedSweep(
-                        config,
-                        tracker=self.tracker,
-                        run_dir=run_dir,
-                        data_dir=self.data_dir,
-                        device=self.device,
-                        progress=self.progress,
-                    )
-                reachable.result()
+            if not self.processes:
+                self.progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
+                self.sweep = PackedSweep(
+                    config,
+                    tracker=self.tracker,
+                    run_dir=run_dir,
+                    data_dir=self.data_dir,
+                    device=self.device,
+                    progress=self.progress,
+                )
+            self.tracker.check_reachable()
             self.studies = {
                 task: create_study(config, task, self.storage, heartbeat=self.heartbeat) for task in config.tasks
             }
