@@ -73,6 +73,7 @@ def paper120_space() -> dict:
 
 
 def sweep_file(path: Path, task: str, args: argparse.Namespace, seed: int, space: dict) -> Path:
+    """Write the sweep file of one stage: the embedded model on ``task``, a grid over ``space``."""
     config = {
         "name": f"quality-{task}-s{seed}",
         "model": "smollm2-135m",
@@ -104,8 +105,8 @@ def run_sweeps(files: list[Path], run_dirs: list[Path], args: argparse.Namespace
             command = [sys.executable, "-m", "plora_hpo.cli", "sweep", str(files[i]), "--run-dir", str(run_dirs[i])]
             command += ["--data-dir", str(args.data_dir), "--device", args.device]
             print("[sweep]", shlex.join(command[2:]), flush=True)
-            log = run_dirs[i].with_suffix(".log").open("w")
-            running[i] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
+            with run_dirs[i].with_suffix(".log").open("w") as log:  # the child keeps its own handle
+                running[i] = (subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
         time.sleep(1.0)
         for i, (process, started) in list(running.items()):
             if process.poll() is None:
