@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from sweep_e2e import versions
-from throughput import SMOKE_SHAPES, build_model, markov_examples, shape_of
+from throughput import SMOKE_SHAPES, build_model, markov_examples, shape_of, sync
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.errors import first_line
@@ -206,11 +206,6 @@ def train_steps(trainer: PackedTrainer, steps: int, losses: dict[str, list[float
                 failed[report.adapter_id] = report.fail_reason
     sync(trainer.device)
     return time.perf_counter() - started
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # --- the parent: runs, agreement, predictions ----------------------------------------------------

@@ -38,7 +38,6 @@ The JSON (machine, date, versions, command) goes to ``--out``; a short table pri
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import itertools
 import json
@@ -51,10 +50,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from importlib import metadata
 from pathlib import Path
 
 import yaml
+from sweep_e2e import versions
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -283,15 +282,6 @@ def _primary(task: str) -> str:
     from plora_hpo.tasks import get_task
 
     return get_task(task).primary_metric
-
-
-def versions() -> dict:
-    """Installed versions of the stack (``mlflow-skinny`` where only that is installed)."""
-    out = {}
-    for name in ("torch", "transformers", "peft", "optuna", "lm_eval", "mlflow", "mlflow-skinny"):
-        with contextlib.suppress(metadata.PackageNotFoundError):
-            out[name] = metadata.version(name)
-    return out
 
 
 def machine(device: str) -> dict:

@@ -316,7 +316,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
 
 # --- 1b. the sweep's biggest pack on the engine alone ---------------------------------------------
 ENGINE_WARMUP_STEPS = 3  # kernel compilation, allocator growth and library heuristics happen here
-ENGINE_SETUP_S = 30.0  # model, task data and eval tasks loaded in this process before a step (H200, 1.5B)
+ENGINE_SETUP_S = 30.0  # a guess (not measured) at loading model, data and eval tasks: only to skip under --budget-s
 
 
 def biggest_segment(segments: list[dict]) -> int | None:

@@ -812,8 +812,8 @@ class _Pack:
             self.stop_training(ids[0])
             self._fail(slot, f"{ids[0]}: out of memory on {worker.name} even alone; lower its batch size or rank")
             return
-        keep = 1
-        while keep < len(ids) - 1 and worker.predicted_memory(configs[: keep + 1]) <= worker.memory_limit:
+        keep, limit = 1, worker.memory_limit
+        while keep < len(ids) - 1 and worker.predicted_memory(configs[: keep + 1]) <= limit:
             keep += 1
         log.warning(
             "%s ran out of memory with %d adapters; %d train on, %d wait for room",
