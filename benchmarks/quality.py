@@ -16,7 +16,11 @@ data folder, on the CPU (a long run, not CI) or a GPU (``--device cuda``):
    over the fresh seeds alone, against their sample standard deviations;
 3. **check**: the best config's newest exported adapter (of the last seed run, else of the
    search) scored by lm-eval's own ``HFLM`` + PEFT on the same documents (same device and dtype
-   as the sweep), against the sweep's score.
+   as the sweep), against the sweep's score. On a GPU the sweep runs in bf16, whose rounding
+   differs between any two kernels (``--dtype bfloat16`` gives the same on a CPU), so there the
+   same adapter is also scored by ``HFLM`` in fp32
+   (how many documents change answer with the dtype alone), and the best config is trained once
+   more in fp32 beside the seed sweeps: its sweep score must equal ``HFLM``'s fp32 score.
 
 Reported per config: the metric, its standard error, the share of each predicted answer (a
 classifier that answers one class everywhere shows up), and the training loss at each tenth of
@@ -71,10 +75,14 @@ def paper120_space() -> dict:
     return yaml.safe_load((ROOT / "search_spaces" / "paper120.yaml").read_text())["space"]
 
 
-def sweep_file(path: Path, task: str, args: argparse.Namespace, seed: int, space: dict) -> Path:
-    """Write the sweep file of one stage: the embedded model on ``task``, a grid over ``space``."""
+def sweep_file(
+    path: Path, task: str, args: argparse.Namespace, seed: int, space: dict, dtype: str | None = None
+) -> Path:
+    """Write the sweep file of one stage: the embedded model on ``task``, a grid over ``space``,
+    in ``dtype`` (default: ``--dtype``)."""
+    dtype = dtype or args.dtype
     config = {
-        "name": f"quality-{task}-s{seed}",
+        "name": f"quality-{task}-s{seed}" + ("" if dtype == "auto" else f"-{dtype}"),
         "model": "smollm2-135m",
         "tasks": [task],
         "seq_len": args.seq_len,
@@ -84,6 +92,7 @@ def sweep_file(path: Path, task: str, args: argparse.Namespace, seed: int, space
         "sampler": "grid",
         "pack": {"size": args.pack_size},
         "evaluation": {"batch_size": args.eval_batch_size, **({"limit": args.eval_limit} if args.eval_limit else {})},
+        "dtype": dtype,
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
@@ -170,8 +179,19 @@ def same(a: dict, b: dict) -> bool:
     return all(abs(float(a[k]) - float(b[k])) <= 1e-12 for k in DEFAULT)
 
 
-def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: str) -> dict:
-    """lm-eval's ``HFLM`` + PEFT on the exported adapter, the sweep's documents."""
+def sweep_dtype(args: argparse.Namespace) -> str:
+    """The dtype the sweeps compute in: ``--dtype``, where "auto" is fp32 on a CPU and bf16 on a GPU."""
+    if args.dtype != "auto":
+        return args.dtype
+    return "float32" if args.device == "cpu" else "bfloat16"
+
+
+def hflm_score(
+    task: str, adapter_dir: str, args: argparse.Namespace, metric: str, dtype: str
+) -> tuple[float, list[int]]:
+    """lm-eval's ``HFLM`` + PEFT on the exported adapter, the sweep's documents: the metric and
+    each document's chosen answer (by doc id)."""
+    import torch
     from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
 
@@ -179,14 +199,32 @@ def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: st
     from plora_hpo.tasks import build_eval_tasks
 
     base = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
-    dtype = "float32" if args.device == "cpu" else "bfloat16"  # the sweep's "auto" dtype
     lm = HFLM(pretrained=base, peft=adapter_dir, dtype=dtype, device=args.device, batch_size=32)
     task_dict = build_eval_tasks(task, data_dir=args.data_dir)
     for t in lm_eval_tasks(task_dict):
         t.set_fewshot_seed(seed=FEWSHOT_SEED)
+    out = evaluate(lm=lm, task_dict=task_dict, limit=args.eval_limit, bootstrap_iters=0, log_samples=True)
+    docs = sorted(out["samples"][task], key=lambda d: d["doc_id"])
+    choices = [max(range(len(d["filtered_resps"])), key=lambda i: d["filtered_resps"][i][0]) for d in docs]
+    del lm
+    if args.device != "cpu":
+        torch.cuda.empty_cache()
+    return out["results"][task][metric], choices
+
+
+def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: str) -> dict:
+    """The sweep's adapter scored by ``HFLM`` + PEFT in the sweep's dtype and, when that is not
+    fp32, in fp32 too: how many documents change answer with the dtype's rounding alone."""
     started = time.perf_counter()
-    out = evaluate(lm=lm, task_dict=task_dict, limit=args.eval_limit, bootstrap_iters=0)
-    return {"hflm": out["results"][task][metric], "seconds": time.perf_counter() - started}
+    dtype = sweep_dtype(args)
+    value, choices = hflm_score(task, adapter_dir, args, metric, dtype)
+    check = {"hflm": value, "dtype": dtype}
+    if dtype != "float32":
+        exact, exact_choices = hflm_score(task, adapter_dir, args, metric, "float32")
+        flipped = sum(a != b for a, b in zip(choices, exact_choices, strict=True))
+        check.update(hflm_float32=exact, docs_flipped_by_dtype=flipped, docs=len(choices))
+    check["seconds"] = time.perf_counter() - started
+    return check
 
 
 def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: Callable[[], None]) -> None:
@@ -211,17 +249,26 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
     save()
     checked = best if Path(best.get("adapter_dir") or "").is_dir() else None  # an earlier run's is gone
     fresh = list(range(1, args.seeds))
+    twin = None  # the best config once more in fp32, where its score must equal HFLM's exactly
     if fresh and within_budget(args, "seeds", entry):
         pair = {k: {"choices": sorted({DEFAULT[k], best["params"][k]})} for k in DEFAULT}
         files = [sweep_file(work / f"{task}-s{seed}.yaml", task, args, seed, pair) for seed in fresh]
         run_dirs = [work / f"{task}-seed{seed}" for seed in fresh]
-        for seed, wall in zip(fresh, run_sweeps(files, run_dirs, args), strict=True):
+        if sweep_dtype(args) != "float32":
+            alone = {k: {"choices": [v]} for k, v in best["params"].items()}
+            files.append(sweep_file(work / f"{task}-fp32.yaml", task, args, fresh[0], alone, dtype="float32"))
+            run_dirs.append(work / f"{task}-fp32")
+        walls = run_sweeps(files, run_dirs, args)
+        for seed, wall in zip(fresh, walls, strict=False):
             entry["seconds"][f"seed{seed}"] = wall
-        for f, d in zip(files, run_dirs, strict=True):
+        for f, d in zip(files[: len(fresh)], run_dirs, strict=False):
             rows = trials_of(d, study_name(load_sweep(f), task))
             seeds["default"].append(next(r["value"] for r in rows if same(r["params"], DEFAULT)))
             checked = next(r for r in rows if same(r["params"], best["params"]))
             seeds["best"].append(checked["value"])
+        if sweep_dtype(args) != "float32":
+            entry["seconds"]["fp32"] = walls[-1]
+            twin = trials_of(run_dirs[-1], study_name(load_sweep(files[-1]), task))[0]
         entry.update(gains(seeds))
         save()
     if checked is not None and within_budget(args, "hflm_check", entry):
@@ -229,6 +276,10 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
         check["sweep"] = checked["value"]
         check["same_documents"] = args.eval_limit is None  # a limit samples the sweep's documents at random
         entry["hflm_check"] = check
+        save()
+    if twin is not None and within_budget(args, "fp32_check", entry):
+        value, _ = hflm_score(task, twin["adapter_dir"], args, entry["metric"], "float32")
+        entry["fp32_check"] = {"params": twin["params"], "seed": fresh[0], "sweep": twin["value"], "hflm": value}
         save()
 
 
@@ -318,6 +369,14 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
             f"{num(t.get('gain_mean_best_minus_default')):>7} {num(t.get('gain_fresh_seeds')):>7} "
             f"{t.get('gain_fresh_exceeds_twice_spread', t.get('gain_exceeds_twice_spread', '-'))!s:>7}  {check}"
         )
+        if "hflm_float32" in (c or {}):
+            print(
+                f"       same adapter, HFLM fp32 {c['hflm_float32']:.4f}: "
+                f"{c['docs_flipped_by_dtype']}/{c['docs']} documents change answer with bf16 alone"
+            )
+        if "fp32_check" in t:
+            f = t["fp32_check"]
+            print(f"       best config trained and scored in fp32: sweep {f['sweep']:.4f} HFLM {f['hflm']:.4f}")
         if t["skipped"]:
             print(f"       skipped (time budget): {', '.join(t['skipped'])}")
 
@@ -342,6 +401,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--jobs", type=int, default=1, help="seed sweeps running at once (a GPU has room for several)")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no stage after the search past this")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="the sweeps' dtype (auto: fp32 on a CPU, bf16 on a GPU)",
+    )
     p.add_argument("--smoke", action="store_true", help="4 steps, 3 seeds, 16 documents: every code path")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)

@@ -216,7 +216,7 @@ class TrainSpec(_Strict):
     )
 
     checkpoint_overhead: float = Field(
-        0.1,
+        0.05,
         gt=0,
         le=1,
         description="With the automatic cadence, the largest share of a device's time that checkpoints "

@@ -17,7 +17,7 @@ Two doors to the same implementation:
   ``torch.compile`` sees as single nodes of its graph, forward and backward;
 * in eager mode, a plain ``torch.autograd.Function`` over the same two functions. The custom
   op's Python dispatch and autograd wrapper add host time to every call (``kernels-h200.json``:
-  ``ours_op_ms`` against ``ours_ms``, e.g. 1.22 against 0.45 ms for 7b.q_o mixed at K=32), and a
+  ``ours_op_ms`` against ``ours_ms``, e.g. 1.15 against 0.45 ms for 7b.q_o mixed at K=32), and a
   packed step calls this on every adapted projection of every layer, where host time is what
   small packs are bound by.
 
