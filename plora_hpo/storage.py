@@ -20,6 +20,7 @@ MLflow run, so another worker continues it from its last checkpoint.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any
 
@@ -29,6 +30,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from plora_hpo.errors import PloraError, first_line
 
+log = logging.getLogger(__name__)
 N_TRIALS_ATTR = "plora.n_trials"
 """The study user attr holding how many trials the sweep runs (retries of failed ones aside)."""
 HEARTBEAT_SECONDS = 10.0
@@ -68,6 +70,25 @@ class SweepStorage(RDBStorage):
                 if sum(t.number not in retried for t in trials) >= target:
                     raise TrialBudgetReached(f"the study has its {target} trials")
         return super()._create_new_trial(study_id, template_trial)
+
+    def record_heartbeat(self, trial_id: int) -> None:
+        """Record that ``trial_id`` is alive; a failed write is logged and the next one tried.
+
+        Optuna calls this on a thread of its own, which a storage error (a full disk, a database
+        server away for a moment) would end with a traceback, leaving the trial without
+        heartbeats for the rest of its training, so another process would re-run it. A missed
+        heartbeat only ages the trial; the training thread meets a lasting storage error at its
+        next write and stops the sweep with it.
+        """
+        try:
+            super().record_heartbeat(trial_id)
+        except Exception as err:
+            log.warning(
+                "trial %d: heartbeat not recorded (%s); trying again in %d s",
+                trial_id,
+                first_line(err),
+                self.heartbeat_interval,
+            )
 
 
 def open_storage(url: str, *, heartbeat: float = HEARTBEAT_SECONDS) -> SweepStorage:
