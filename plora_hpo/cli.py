@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from plora_hpo.errors import PloraError
+from plora_hpo.local_workers import AWAIT_ARGUMENTS, await_arguments
 from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
 from plora_hpo.trials import TrialInterrupted
 
@@ -328,6 +329,9 @@ def disk_full(err: BaseException) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["worker", AWAIT_ARGUMENTS]:  # a sweep's own worker process, started before its study
+        argv = await_arguments()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if not args.verbose:

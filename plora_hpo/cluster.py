@@ -10,7 +10,8 @@ is decided by the storage (a waiting trial is taken atomically); a worker that d
 its trials' heartbeats, and its trials continue from their checkpoints in another worker, so
 the run directory must be one every worker reads and writes (a shared file system).
 
-:func:`start_local_workers` is how ``plora-hpo sweep`` runs one such worker process per device.
+``plora-hpo sweep`` runs one such worker process per device of its own machine
+(:mod:`plora_hpo.local_workers`).
 
 With ``pack.degree`` d > 1 a worker is a group of d processes, one per device, that train each
 pack together (:mod:`plora_hpo.pack_group`): its rank 0 serves the study as above, the others
@@ -21,14 +22,9 @@ follow it. The sweep starts its local groups itself; on another machine, ``torch
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
-from collections.abc import Sequence
 from os import PathLike
 from pathlib import Path
 
@@ -37,7 +33,7 @@ import torch.distributed as dist
 
 from plora_hpo.config import SweepConfig, load_sweep
 from plora_hpo.errors import PloraError
-from plora_hpo.pack_group import PackChannel, group_environment, join_group
+from plora_hpo.pack_group import PackChannel, join_group
 from plora_hpo.run_state import differences
 from plora_hpo.storage import HEARTBEAT_SECONDS, N_TRIALS_ATTR, open_storage
 from plora_hpo.study import PackedObjective, create_study, serve
@@ -219,66 +215,3 @@ class SweepWorker:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: the kernel kills it when the sweep process dies (Linux)."""
-    with contextlib.suppress(OSError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def worker_command(
-    storage: str, study: str, *, run_dir: Path, device: str, data_dir: str | None, mlflow_uri: str, heartbeat: float
-) -> list[str]:
-    argv = [sys.executable, "-m", "plora_hpo.cli", "worker", "--storage", storage, "--study", study]
-    argv += ["--run-dir", str(run_dir), "--device", device, "--mlflow-uri", mlflow_uri, "--heartbeat", f"{heartbeat:g}"]
-    return argv + (["--data-dir", data_dir] if data_dir else [])
-
-
-def start_local_workers(
-    storage: str,
-    study: str,
-    devices: Sequence[str],
-    *,
-    run_dir: Path,
-    data_dir: str | None,
-    mlflow_uri: str,
-    heartbeat: float,
-    degree: int = 1,
-) -> list[subprocess.Popen]:
-    """One ``plora-hpo worker`` process per device of this machine, each seeing only its GPU
-    (``CUDA_VISIBLE_DEVICES``) or, on the CPU, its share of the cores; with ``degree`` > 1, each
-    ``degree`` consecutive devices form one tensor-parallel group (a rendezvous port of its own)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpu_ids = visible.split(",") if visible else None
-    cpu_workers = sum(d.startswith("cpu") for d in devices)
-    procs = []
-    port = 0
-    for i, device in enumerate(devices):
-        env = dict(os.environ)
-        if degree > 1:
-            port = _free_port() if i % degree == 0 else port
-            env.update(group_environment(i % degree, degree, port))
-        if device.startswith("cuda"):
-            index = int(device.partition(":")[2] or 0)
-            env["CUDA_VISIBLE_DEVICES"] = gpu_ids[index] if gpu_ids else str(index)
-            device = "cuda:0"
-        elif "OMP_NUM_THREADS" not in env:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cpu_workers))
-        argv = worker_command(
-            storage,
-            study,
-            run_dir=run_dir,
-            device=device,
-            data_dir=data_dir,
-            mlflow_uri=mlflow_uri,
-            heartbeat=heartbeat,
-        )
-        procs.append(subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent))
-    return procs

@@ -39,9 +39,10 @@ from typing import Any
 import optuna
 
 from plora_hpo.checkpoints import CheckpointStore
-from plora_hpo.cluster import describe_for_workers, set_target, start_local_workers
+from plora_hpo.cluster import describe_for_workers, set_target
 from plora_hpo.config import SweepConfig
 from plora_hpo.errors import ConfigError, PloraError
+from plora_hpo.local_workers import LocalWorkers
 from plora_hpo.ownership import RunDirOwner
 from plora_hpo.preflight import check_sweep_inputs
 from plora_hpo.run_state import RunState, check_resumable
@@ -140,6 +141,7 @@ class SweepRun:
         self.eval_documents: dict[str, str] = {}
         self.devices: list[str] = []
         self.worker_processes: list[subprocess.Popen] = []  # while optimize() waits for them
+        self.local_workers: LocalWorkers | None = None  # started, not yet given a study
         self._owner: RunDirOwner | None = None
         self._closed = False
 
@@ -157,24 +159,30 @@ class SweepRun:
                 f"pack.degree {config.pack.degree} trains each pack on a group of worker processes; "
                 "leave out --workers threads"
             )
-        # bad device/model/data/URIs, a changed resume and corrupt checkpoints stop here, read-only
-        check_sweep_inputs(
-            config,
-            run_dir=run_dir,
-            data_dir=self.data_dir,
-            device=self.device,
-            mlflow_uri=self.mlflow_uri,
-            storage=self._storage_given,
-        )
-        saved = check_resumable(run_dir, config, resume=self.resume)
-        for task in config.tasks:
-            CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
+        self._start_local_workers()  # they import while this process checks and opens the stores
+        try:
+            # bad device/model/data/URIs, a changed resume and corrupt checkpoints stop here, read-only
+            check_sweep_inputs(
+                config,
+                run_dir=run_dir,
+                data_dir=self.data_dir,
+                device=self.device,
+                mlflow_uri=self.mlflow_uri,
+                storage=self._storage_given,
+            )
+            saved = check_resumable(run_dir, config, resume=self.resume)
+            for task in config.tasks:
+                CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
+        except BaseException:
+            self._stop_local_workers()
+            raise
         existed = run_dir.exists()
         run_dir.mkdir(parents=True, exist_ok=True)
         owner = RunDirOwner(run_dir)  # a second sweep on a live run directory stops here
         try:
             owner.acquire()
         except BaseException:
+            self._stop_local_workers()
             if not existed:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
@@ -183,10 +191,6 @@ class SweepRun:
             self.tracker = SweepTracker(
                 self.mlflow_uri or default_tracking_uri(run_dir), config.name, artifact_root=run_dir
             )
-            devices = resolve_devices(self.device)
-            if self.processes is None:
-                self.processes = len(devices) > 1 or config.pack.degree > 1
-            self.devices = [str(d) for d in devices]
             if not self.processes:
                 self.progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
                 self.sweep = PackedSweep(
@@ -226,6 +230,23 @@ class SweepRun:
             self.close(status="FAILED")
             raise
         return self
+
+    def _start_local_workers(self) -> None:
+        """With worker processes, start one per device now (they wait for their study)."""
+        try:
+            devices = resolve_devices(self.device)
+        except PloraError:  # the input checks say so, in their words
+            return
+        if self.processes is None:
+            self.processes = len(devices) > 1 or self.config.pack.degree > 1
+        self.devices = [str(d) for d in devices]
+        if self.processes:
+            self.local_workers = LocalWorkers(self.devices, degree=self.config.pack.degree)
+
+    def _stop_local_workers(self) -> None:
+        if self.local_workers is not None:
+            self.local_workers.stop()
+            self.local_workers = None
 
     def _continue_tracking(self, saved: RunState | None) -> None:
         """Continue the earlier parent run (or start one) and close runs no retry will continue."""
@@ -288,15 +309,15 @@ class SweepRun:
         when every worker stopped with trials unfinished.
         """
         assert self.tracker is not None
-        procs = start_local_workers(
+        workers = self.local_workers or LocalWorkers(self.devices, degree=self.config.pack.degree)
+        self.local_workers = None  # a later task's study gets processes of its own
+        procs = workers.serve(
             self.storage,
             study.study_name,
-            self.devices,
             run_dir=self.run_dir,
             data_dir=self.data_dir,
             mlflow_uri=self.tracker.tracking_uri,
             heartbeat=self.heartbeat,
-            degree=self.config.pack.degree,
         )
         self.worker_processes = procs
         try:
@@ -381,6 +402,7 @@ class SweepRun:
         self.tracker.log_folder(parent, folder, "summary")
 
     def _release(self) -> None:
+        self._stop_local_workers()
         if self._owner is not None:
             self._owner.release()
             self._owner = None

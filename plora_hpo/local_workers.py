@@ -1,0 +1,130 @@
+"""The worker processes ``plora-hpo sweep`` starts on its own machine: one per device.
+
+A worker process spends its first seconds importing torch, transformers, lm-eval and MLflow.
+The sweep starts its workers as soon as it knows its devices, before it checks its inputs and
+opens its stores, so that import overlaps the sweep's own start-up: each process imports, then
+waits on its stdin for the study to serve (:meth:`LocalWorkers.serve` writes the arguments of
+``plora-hpo worker``, as one JSON list). A sweep that stops before that ends them
+(:meth:`LocalWorkers.stop`); one that dies takes them with it (``PR_SET_PDEATHSIG``).
+
+Each process sees only its GPU (``CUDA_VISIBLE_DEVICES``) or, on the CPU, its share of the
+cores; with ``degree`` > 1, each ``degree`` consecutive devices form one tensor-parallel group
+with a rendezvous port of its own, set in the environment the way ``torchrun`` sets it.
+
+Boundary: starting and ending the processes and handing them their arguments; what a worker
+does is :class:`plora_hpo.cluster.SweepWorker`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+AWAIT_ARGUMENTS = "--await-arguments"
+"""``plora-hpo worker --await-arguments``: import first, then read the worker's arguments from stdin."""
+
+
+def await_arguments() -> list[str]:
+    """In a started worker process: import what a worker uses, then wait for its arguments.
+
+    Returns ``plora-hpo worker``'s arguments; exits quietly when the sweep closes stdin first
+    (it stopped before it had a study to give).
+    """
+    import lm_eval.evaluator  # noqa: F401  (the imports this process would make anyway, done while it waits)
+    import mlflow.tracking  # noqa: F401
+
+    import plora_hpo.cluster
+    import plora_hpo.models  # noqa: F401
+
+    line = sys.stdin.readline()
+    if not line:
+        raise SystemExit(0)
+    return ["worker", *json.loads(line)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: the kernel kills it when the sweep process dies (Linux)."""
+    with contextlib.suppress(OSError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class LocalWorkers:
+    """One started ``plora-hpo worker`` process per device of this machine, waiting for a study."""
+
+    def __init__(self, devices: Sequence[str], *, degree: int = 1) -> None:
+        from plora_hpo.pack_group import group_environment
+
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        gpu_ids = visible.split(",") if visible else None
+        cpu_workers = sum(d.startswith("cpu") for d in devices)
+        self.devices: list[str] = []  # each process's device, as it names it
+        self.processes: list[subprocess.Popen] = []
+        self._given = False
+        port = 0
+        try:
+            for i, device in enumerate(devices):
+                env = dict(os.environ)
+                if degree > 1:
+                    port = _free_port() if i % degree == 0 else port
+                    env.update(group_environment(i % degree, degree, port))
+                if device.startswith("cuda"):
+                    index = int(device.partition(":")[2] or 0)
+                    env["CUDA_VISIBLE_DEVICES"] = gpu_ids[index] if gpu_ids else str(index)
+                    device = "cuda:0"
+                elif "OMP_NUM_THREADS" not in env:
+                    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cpu_workers))
+                command = [sys.executable, "-m", "plora_hpo.cli", "worker", AWAIT_ARGUMENTS]
+                self.processes.append(
+                    subprocess.Popen(command, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+                )
+                self.devices.append(device)
+        except BaseException:
+            self.stop()
+            raise
+
+    def serve(
+        self,
+        storage: str,
+        study: str,
+        *,
+        run_dir: Path,
+        data_dir: str | None,
+        mlflow_uri: str,
+        heartbeat: float,
+    ) -> list[subprocess.Popen]:
+        """Give every process ``study`` to serve; returns the processes (wait on them)."""
+        for process, device in zip(self.processes, self.devices, strict=True):
+            argv = ["--storage", storage, "--study", study, "--run-dir", str(run_dir), "--device", device]
+            argv += ["--mlflow-uri", mlflow_uri, "--heartbeat", f"{heartbeat:g}"]
+            argv += ["--data-dir", data_dir] if data_dir else []
+            assert process.stdin is not None
+            with contextlib.suppress(BrokenPipeError):  # one that died at start: its exit code says so
+                process.stdin.write(json.dumps(argv) + "\n")
+                process.stdin.close()
+        self._given = True
+        return self.processes
+
+    def stop(self) -> None:
+        """End the processes if they were never given a study (the sweep stopped before)."""
+        if self._given:
+            return
+        for process in self.processes:
+            if process.stdin is not None:
+                with contextlib.suppress(OSError):
+                    process.stdin.close()
+            process.kill()
+            process.wait()
