@@ -31,6 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 from plora_hpo.errors import PloraError, first_line
 
 log = logging.getLogger(__name__)
+
 N_TRIALS_ATTR = "plora.n_trials"
 """The study user attr holding how many trials the sweep runs (retries of failed ones aside)."""
 HEARTBEAT_SECONDS = 10.0
