@@ -82,6 +82,7 @@ COLORS = {
     "evaluate": "#1971c2",
     "export": "#f08c00",
     "checkpoint": "#e8590c",
+    "checkpoint-write": "#ffa94d",
     "mlflow": "#9c36b5",
     "planner": "#c2255c",
     "calibrate": "#868e96",
@@ -655,7 +656,7 @@ def plot(result: dict, path: Path) -> None:
     sweep = result["sweep"]
     start, events = sweep["start"], sweep.get("events", [])
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    names = [p for p in [*PHASES, "leave", "progress"] if any(e["phase"] == p for e in events)]
+    names = [p for p in [*PHASES, "checkpoint-write", "leave", "progress"] if any(e["phase"] == p for e in events)]
     for row, name in enumerate(names):
         spans = [(e["start"] - start, e["end"] - e["start"]) for e in events if e["phase"] == name]
         ax.broken_barh(spans, (row - 0.4, 0.8), color=COLORS.get(name, "k"))

@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from plora_hpo.checkpoints import CheckpointStore
 from plora_hpo.engine.adapter_state import AdapterState
+from plora_hpo.timeline import phase
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,8 @@ class CheckpointWriter:
                 self._busy = True
             failed: BaseException | None = None
             try:
-                job()
+                with phase("checkpoint-write"):  # on this thread, overlapping the training loop's phases
+                    job()
             except BaseException as err:  # handed to the training loop, which decides
                 failed = err
             with self._changed:

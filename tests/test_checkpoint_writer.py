@@ -88,3 +88,19 @@ def test_a_save_waits_while_the_queue_holds_too_many_bytes(tmp_path):
     assert not third.is_alive()
     writer.flush()
     assert [store.load(i)[0].steps_done for i in (1, 2, 3)] == [1, 2, 3]
+
+
+def test_writes_show_on_the_timeline_as_the_writer_thread_s_own_phase(tmp_path, monkeypatch):
+    import json
+
+    from plora_hpo.timeline import ENV
+
+    timeline = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(ENV, str(timeline))
+    writer = CheckpointWriter("plora-cpu")
+    store = CheckpointStore(tmp_path / "ckpt")
+    writer.save(store, 0, state(3), {})
+    writer.delete(store, 0)
+    writer.flush()
+    rows = [json.loads(line) for line in timeline.read_text().splitlines()]
+    assert [(r["phase"], r["thread"]) for r in rows] == [("checkpoint-write", "plora-cpu-checkpoints")] * 2
