@@ -10,8 +10,10 @@ data folder, on the CPU (a long run, not CI) or a GPU (``--device cuda``):
    lr {2e-4, 4e-4} × batch {2, 8} (8 configs, for the CPU); ``--space paper120`` is
    ``search_spaces/paper120.yaml``'s whole 120-config grid;
 2. **seeds**: the default and the search's best config (the top one under seed 0) again under
-   seeds 1 … n-1 (the sweep's ``seed`` sets the adapter inits and data order), one sweep per
-   seed, ``--jobs`` of them at once, so each has ``--seeds`` scores. The best config's seed-0
+   seeds 1 … n-1 (the sweep's ``seed`` sets the adapter inits and data order), ``--jobs``
+   sweeps at once, so each has ``--seeds`` scores: per seed one sweep of the two configs' 2^4
+   grid (one pack, about the cost of two adapters on a GPU), or with ``--seed-sweeps each`` one
+   sweep of each config alone (on a CPU, where every adapter costs in full). The best config's seed-0
    score is the maximum of the grid, biased upwards, so the gain over the default is also given
    over the fresh seeds alone, against their sample standard deviations;
 3. **check**: the best config's newest exported adapter (of the last seed run, else of the
@@ -252,23 +254,32 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
     twin = None  # the best config once more in fp32, where its score must equal HFLM's exactly
     if fresh and within_budget(args, "seeds", entry):
         pair = {k: {"choices": sorted({DEFAULT[k], best["params"][k]})} for k in DEFAULT}
-        files = [sweep_file(work / f"{task}-s{seed}.yaml", task, args, seed, pair) for seed in fresh]
-        run_dirs = [work / f"{task}-seed{seed}" for seed in fresh]
+        spaces = [pair] if args.seed_sweeps == "grid" else [alone(DEFAULT), alone(best["params"])]
+        files, run_dirs = [], []
+        for seed in fresh:
+            for j, space in enumerate(spaces):
+                part = "" if len(spaces) == 1 else f"-{j}"
+                files.append(sweep_file(work / f"{task}-s{seed}{part}.yaml", task, args, seed, space))
+                run_dirs.append(work / f"{task}-seed{seed}{part}")
+        per_seed = len(files)
         if sweep_dtype(args) != "float32":
-            alone = {k: {"choices": [v]} for k, v in best["params"].items()}
-            files.append(sweep_file(work / f"{task}-fp32.yaml", task, args, fresh[0], alone, dtype="float32"))
+            files.append(sweep_file(work / f"{task}-fp32.yaml", task, args, fresh[0], alone(best["params"]), "float32"))
             run_dirs.append(work / f"{task}-fp32")
         walls = run_sweeps(files, run_dirs, args)
-        for seed, wall in zip(fresh, walls, strict=False):
-            entry["seconds"][f"seed{seed}"] = wall
-        for f, d in zip(files[: len(fresh)], run_dirs, strict=False):
-            rows = trials_of(d, study_name(load_sweep(f), task))
+        for i, seed in enumerate(fresh):
+            mine = slice(i * len(spaces), (i + 1) * len(spaces))  # this seed's sweeps
+            entry["seconds"][f"seed{seed}"] = sum(walls[mine])
+            rows = [
+                row
+                for f, d in zip(files[mine], run_dirs[mine], strict=True)
+                for row in trials_of(d, study_name(load_sweep(f), task))
+            ]
             seeds["default"].append(next(r["value"] for r in rows if same(r["params"], DEFAULT)))
             checked = next(r for r in rows if same(r["params"], best["params"]))
             seeds["best"].append(checked["value"])
         if sweep_dtype(args) != "float32":
             entry["seconds"]["fp32"] = walls[-1]
-            twin = trials_of(run_dirs[-1], study_name(load_sweep(files[-1]), task))[0]
+            twin = trials_of(run_dirs[per_seed], study_name(load_sweep(files[per_seed]), task))[0]
         entry.update(gains(seeds))
         save()
     if checked is not None and within_budget(args, "hflm_check", entry):
@@ -281,6 +292,11 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
         value, _ = hflm_score(task, twin["adapter_dir"], args, entry["metric"], "float32")
         entry["fp32_check"] = {"params": twin["params"], "seed": fresh[0], "sweep": twin["value"], "hflm": value}
         save()
+
+
+def alone(params: dict) -> dict:
+    """A grid of the one config ``params``."""
+    return {k: {"choices": [v]} for k, v in params.items()}
 
 
 def earlier_run(path: Path) -> dict:
@@ -398,6 +414,13 @@ def main(argv: list[str] | None = None) -> None:
         type=Path,
         default=None,
         help="take the search of this earlier results file (same settings) and run only the later stages",
+    )
+    p.add_argument(
+        "--seed-sweeps",
+        choices=["grid", "each"],
+        default="grid",
+        help="per fresh seed, one sweep of the default's and the best's 2^4 grid (one pack: on a GPU about "
+        "the cost of two adapters), or one sweep of each config alone (on a CPU every adapter costs in full)",
     )
     p.add_argument("--jobs", type=int, default=1, help="seed sweeps running at once (a GPU has room for several)")
     p.add_argument("--budget-s", type=float, default=float("inf"), help="start no stage after the search past this")

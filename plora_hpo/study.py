@@ -156,6 +156,7 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
     but other processes still train trials, it waits: one of them may die and leave retries.
     """
     n_jobs = objective.sweep.concurrency
+    objective.warn_if_serial = False  # n_jobs below is as many as there are trials to do
     while True:
         fail_stale_trials(study)
         trials = study.get_trials(deepcopy=False)
@@ -291,11 +292,14 @@ class PackedObjective:
         self.task = task
         self.space = SearchSpace(config.space, seed=config.seed, use_rslora=config.train.use_rslora)
         self.pruning = config.pruning.pruner != "none"
-        self._warned = False
+        self.warn_if_serial = True
+        """Warn once when ``study.optimize`` calls this in its caller's thread (``n_jobs=1``) while
+        the sweep could train more trials at once; :func:`serve` turns it off, as it passes
+        ``n_jobs=1`` only for the last trial to do."""
 
     def __call__(self, trial: optuna.Trial) -> float | list[float]:
-        if not self._warned and self.sweep.concurrency > 1 and threading.current_thread() is threading.main_thread():
-            self._warned = True  # study.optimize runs n_jobs=1 in the caller's thread, more in a pool
+        if self.warn_if_serial and self.sweep.concurrency > 1 and threading.current_thread() is threading.main_thread():
+            self.warn_if_serial = False  # study.optimize runs n_jobs=1 in the caller's thread, more in a pool
             warnings.warn(
                 "study.optimize(..., n_jobs=1) hands the sweep one trial at a time, so every pack trains "
                 f"one adapter; pass n_jobs=sweep.concurrency ({self.sweep.concurrency}) to train them together",

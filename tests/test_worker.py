@@ -206,3 +206,22 @@ def test_planner_replans_when_a_trial_is_pruned_fails_or_finishes(tmp_path, monk
     assert all(s["policy"] == "planner" and s["predicted_step_seconds"] > 0 for s in segments)
     assert any(s["measured_step_seconds"] for s in segments)
     assert (sweep.run_dir / "packs" / "packs.png").stat().st_size > 0
+
+
+def test_only_a_serial_optimize_is_warned_about_not_serve_s_last_trial(tmp_path):
+    import warnings
+
+    from plora_hpo.study import serve
+
+    sweep, study, _ = open_sweep(tmp_path, "serial", budget={"steps": 2}, pack={"size": 2})
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            serve(study, PackedObjective(sweep, "synthetic"), n_trials=1)  # n_jobs = min(2, one to do) = 1
+        assert not [w for w in caught if "one trial at a time" in str(w.message)]
+        with pytest.warns(UserWarning, match=r"n_jobs=sweep.concurrency \(2\)") as caught:
+            study.optimize(PackedObjective(sweep, "synthetic"), n_trials=2, n_jobs=1)
+        assert len([w for w in caught if "one trial at a time" in str(w.message)]) == 1  # once per objective
+    finally:
+        sweep.close()
+    assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) == 3
