@@ -195,10 +195,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     print_summary(
         studies, wall_seconds=time.perf_counter() - started, storage=run.storage, tracking_uri=run.tracker.tracking_uri
     )
-    if run.sweep is not None:
-        line = pack_record_line(run.sweep.pack_segments, run.run_dir)
-        if line is not None:
-            print(line)
+    line = pack_record_line(run.pack_segments, run.run_dir)
+    if line is not None:
+        print(line)
     note = run.tracker.delivery_note()
     if note is not None:
         print(note)

@@ -4,10 +4,15 @@ Each :class:`~plora_hpo.reporting.PackSegment` is one stretch of a pack with fix
 The chart draws one row per device: the bar is what ran (measured start and end), and a thin
 bar inside it is what the cost model planned for the same steps (predicted step time × steps),
 so a pack slower or faster than predicted shows at a glance.
+
+Worker processes each write their own record (``packs/<label>/``) on their own clock, whose
+zero is in the file (``started_at``, Unix seconds); :func:`gather_pack_records` puts them on
+one clock, so one chart shows every GPU of the sweep.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,13 +41,46 @@ def summarise(segments: Sequence[PackSegment]) -> dict:
     }
 
 
-def write_pack_record(segments: Sequence[PackSegment], folder: Path, *, title: str = "") -> Path:
-    """Write ``packs.json`` and ``packs.png`` into ``folder``; returns the folder."""
+def write_pack_record(segments: Sequence[PackSegment], folder: Path, *, started_at: float, title: str = "") -> Path:
+    """Write ``packs.json`` and ``packs.png`` into ``folder``; returns the folder.
+
+    ``started_at``: the Unix time the segments' seconds count from."""
     folder.mkdir(parents=True, exist_ok=True)
-    data = {"summary": summarise(segments), "segments": [s.to_dict() for s in segments]}
+    data = {"summary": summarise(segments), "started_at": started_at, "segments": [s.to_dict() for s in segments]}
     (folder / "packs.json").write_text(json.dumps(data, indent=2))
     draw_gantt(segments, folder / "packs.png", title=title)
     return folder
+
+
+def gather_pack_records(folder: Path, *, since: float) -> list[PackSegment]:
+    """The segments of the worker records ``folder/<label>/packs.json`` that started at Unix time
+    ``since`` or later (not an earlier run's), in seconds since ``since``; each device is named
+    ``<device>@<label>``, as the pack ids name their process."""
+    segments = []
+    for path in sorted(folder.glob("*/packs.json")):
+        data = json.loads(path.read_text())
+        if data.get("started_at") is None or data["started_at"] < since:
+            continue
+        theirs = [PackSegment(**row) for row in data["segments"]]
+        segments += shifted(theirs, data["started_at"] - since, label=path.parent.name)
+    return segments
+
+
+def shifted(segments: Sequence[PackSegment], seconds: float, *, label: str | None = None) -> list[PackSegment]:
+    """``segments`` ``seconds`` later, their devices named ``<device>@<label>`` if a label is given."""
+    return [
+        dataclasses.replace(
+            s,
+            device=s.device if label is None else f"{s.device}@{label}",
+            start=s.start + seconds,
+            end=None if s.end is None else s.end + seconds,
+        )
+        for s in segments
+    ]
+
+
+LEGEND_LINE_PT = 10
+"""Height of one pack's line in the chart's legend."""
 
 
 def draw_gantt(segments: Sequence[PackSegment], path: Path, *, title: str = "") -> Path:
@@ -51,13 +89,14 @@ def draw_gantt(segments: Sequence[PackSegment], path: Path, *, title: str = "") 
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.transforms import offset_copy
 
     devices = sorted({s.device for s in segments})
     packs = sorted({s.pack_id for s in segments}, key=lambda p: (len(p), p))
     colors = plt.get_cmap("tab20").colors
-    fig, (ax, legend_ax) = plt.subplots(
-        1, 2, figsize=(13, max(2.5, 0.6 * len(devices) + 1.5)), gridspec_kw={"width_ratios": [3, 1]}
-    )
+    legend_lines = min(len(packs), 25)
+    height = max(2.5, 0.6 * len(devices) + 1.5, (legend_lines * LEGEND_LINE_PT + 60) / 72)
+    fig, (ax, legend_ax) = plt.subplots(1, 2, figsize=(13, height), gridspec_kw={"width_ratios": [3, 1]})
     for seg in segments:
         row = devices.index(seg.device)
         end = seg.end if seg.end is not None else seg.start
@@ -80,8 +119,9 @@ def draw_gantt(segments: Sequence[PackSegment], path: Path, *, title: str = "") 
     if len(packs) > 24:
         lines.append(f"… {len(packs) - 24} more packs")
     for i, line in enumerate(lines):
-        legend_ax.text(0, 1 - i * 0.04, "■", color=colors[i % len(colors)], transform=legend_ax.transAxes, va="top")
-        legend_ax.text(0.06, 1 - i * 0.04, line, fontsize=7, transform=legend_ax.transAxes, va="top")
+        where = offset_copy(legend_ax.transAxes, fig=fig, y=-i * LEGEND_LINE_PT, units="points")
+        legend_ax.text(0, 1, "■", color=colors[i % len(colors)], transform=where, va="top")
+        legend_ax.text(0.06, 1, line, fontsize=7, transform=where, va="top")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

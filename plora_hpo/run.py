@@ -31,6 +31,7 @@ import json
 import shutil
 import signal
 import subprocess
+import time
 from collections.abc import Mapping
 from os import PathLike
 from pathlib import Path
@@ -44,7 +45,9 @@ from plora_hpo.config import SweepConfig
 from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.local_workers import LocalWorkers
 from plora_hpo.ownership import RunDirOwner
+from plora_hpo.pack_record import gather_pack_records, shifted, write_pack_record
 from plora_hpo.preflight import check_sweep_inputs
+from plora_hpo.reporting import PackSegment
 from plora_hpo.run_state import RunState, check_resumable
 from plora_hpo.storage import HEARTBEAT_SECONDS, N_TRIALS_ATTR, fail_stale_trials
 from plora_hpo.study import (
@@ -104,6 +107,8 @@ class SweepRun:
         closed_runs: MLflow runs an earlier process left RUNNING that were closed (with the run
             directory's own storage only: with a shared one they may be live workers' runs).
         eval_documents: per task, which evaluation documents the trials are scored on.
+        pack_segments: after :meth:`close`, every pack composition that ran, in this process or
+            in worker processes (then on one clock, with ``<device>@<process>`` as device).
     """
 
     def __init__(
@@ -142,6 +147,8 @@ class SweepRun:
         self.devices: list[str] = []
         self.worker_processes: list[subprocess.Popen] = []  # while optimize() waits for them
         self.local_workers: LocalWorkers | None = None  # started, not yet given a study
+        self.pack_segments: list[PackSegment] = []
+        self._opened_at: float | None = None  # Unix time: worker records from before are an earlier run's
         self._owner: RunDirOwner | None = None
         self._closed = False
 
@@ -154,6 +161,7 @@ class SweepRun:
         written then (a run directory this call created is removed again).
         """
         config, run_dir = self.config, self.run_dir
+        self._opened_at = time.time()
         if config.pack.degree > 1 and self.processes is False:
             raise ConfigError(
                 f"pack.degree {config.pack.degree} trains each pack on a group of worker processes; "
@@ -350,12 +358,31 @@ class SweepRun:
         try:
             if self.sweep is not None:
                 self.sweep.close()
+                self.pack_segments = self.sweep.pack_segments
+            if self._owner is not None:
+                self._merge_worker_records()
             if status == "FINISHED" and self.tracker is not None:
                 self._record_summary()
         finally:
             if self.tracker is not None:
                 self.tracker.finish(status)
             self._release()
+
+    def _merge_worker_records(self) -> None:
+        """Add the pack records of this run's worker processes (``packs/<process>/``) to this
+        process's own packs, on one clock: ``pack_segments``, ``<run_dir>/packs/packs.json`` and a
+        Gantt chart of every process's devices, also logged to the MLflow parent run."""
+        assert self._opened_at is not None
+        theirs = gather_pack_records(self.run_dir / "packs", since=self._opened_at)
+        if not theirs:
+            return
+        shift = 0.0 if self.sweep is None else self.sweep.clock_zero - self._opened_at
+        self.pack_segments = shifted(self.pack_segments, shift) + theirs
+        folder = write_pack_record(
+            self.pack_segments, self.run_dir / "packs", started_at=self._opened_at, title=self.config.name
+        )
+        if self.tracker is not None and self.tracker.parent_run_id is not None:
+            self.tracker.log_folder(self.tracker.parent_run_id, folder, "packs")  # with the workers' own
 
     def _record_summary(self) -> None:
         """The sweep's outcome on the MLflow parent run: each task's best value (metric

@@ -114,6 +114,8 @@ class PackedSweep:
             else MlflowReporter(tracker, self.trial_params, lambda task: self.specs[task].primary_metric)
         )
         self._started_at = time.monotonic()
+        self.clock_zero = time.time()
+        """Unix time the pack segments' seconds count from (records of several processes merge by it)."""
         self._pack_ids = itertools.count()
         self._pack_id_lock = threading.Lock()
         self._started = False
@@ -318,7 +320,7 @@ class PackedSweep:
         if not segments:
             return None
         where = Path("packs", self.label) if self.label else Path("packs")
-        folder = write_pack_record(segments, self.run_dir / where, title=self.config.name)
+        folder = write_pack_record(segments, self.run_dir / where, started_at=self.clock_zero, title=self.config.name)
         if self.tracker is not None and self.tracker.parent_run_id is not None:
             self.tracker.log_folder(self.tracker.parent_run_id, folder, where.as_posix())
         return folder

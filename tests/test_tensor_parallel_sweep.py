@@ -7,6 +7,7 @@ The model is a tiny random Llama (4 heads, 2 key-value heads) saved with SmolLM2
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -107,7 +108,11 @@ def test_a_degree_two_sweep_equals_the_same_sweep_at_degree_one(tmp_path, tiny_l
         assert finish(proc, log) == 0, log.read_text()[-3000:]
         runs[degree] = {p: (t, curve(run_dir, t)) for p, t in completed(run_dir, f"tp{degree}").items()}
     assert sorted(runs[2]) == sorted(runs[1]) == [0, 1, 2, 3]
-    assert "degree 2: each pack split over 2 devices" in (tmp_path / "sweep2.log").read_text()
+    log = (tmp_path / "sweep2.log").read_text()
+    assert "degree 2: each pack split over 2 devices" in log
+    record = json.loads((tmp_path / "runs2" / "packs" / "packs.json").read_text())  # the workers' records, merged
+    assert record["summary"]["packs"] >= 1 and all(d.startswith("cpu@") for d in record["summary"]["devices"])
+    assert f"packs: {record['summary']['packs']} packs in {record['summary']['segments']} compositions" in log
     for point, (one, one_curve) in runs[1].items():
         two, two_curve = runs[2][point]
         assert two.params == one.params and len(one_curve) == 6
