@@ -14,10 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from plora_hpo.reporting import PackSegment
+
+log = logging.getLogger(__name__)
 
 
 def summarise(segments: Sequence[PackSegment]) -> dict:
@@ -58,10 +61,14 @@ def gather_pack_records(folder: Path, *, since: float) -> list[PackSegment]:
     ``<device>@<label>``, as the pack ids name their process."""
     segments = []
     for path in sorted(folder.glob("*/packs.json")):
-        data = json.loads(path.read_text())
+        try:
+            data = json.loads(path.read_text())
+            theirs = [PackSegment(**row) for row in data["segments"]]
+        except (ValueError, KeyError, TypeError) as err:  # a process killed while it wrote the file
+            log.warning("%s: not a pack record (%s); left out of the sweep's", path, err)
+            continue
         if data.get("started_at") is None or data["started_at"] < since:
             continue
-        theirs = [PackSegment(**row) for row in data["segments"]]
         segments += shifted(theirs, data["started_at"] - since, label=path.parent.name)
     return segments
 

@@ -31,6 +31,8 @@ def test_worker_records_of_this_run_are_put_on_its_clock(tmp_path):
     write_pack_record([segment("pack-0@a", 1.0, 4.0)], packs / "a", started_at=1000.0)
     write_pack_record([segment("pack-0@b", 0.5, None), segment("pack-1@b", 2.0, 3.0)], packs / "b", started_at=1002.5)
     write_pack_record([segment("pack-0@old", 0.0, 9.0)], packs / "old", started_at=900.0)  # an earlier run's
+    (packs / "cut").mkdir()
+    (packs / "cut" / "packs.json").write_text('{"summary": {}, "started_at": 1001.0, "segm')  # killed mid-write
 
     gathered = gather_pack_records(packs, since=999.0)
 
