@@ -76,13 +76,15 @@ CLI_SHIM = (
 SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measured_step_seconds",
                 "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "solver",
                 "plan_seconds")  # fmt: skip
-PHASES = ["train", "evaluate", "export", "checkpoint", "mlflow", "planner", "calibrate", "optuna", "gather", "idle"]
+PHASES = ["train", "evaluate", "export", "checkpoint", "join", "mlflow", "planner", "calibrate", "optuna", "gather",
+          "idle"]  # fmt: skip
 COLORS = {
     "train": "#2b8a3e",
     "evaluate": "#1971c2",
     "export": "#f08c00",
     "checkpoint": "#e8590c",
     "checkpoint-write": "#ffa94d",
+    "join": "#0ca678",
     "mlflow": "#9c36b5",
     "planner": "#c2255c",
     "calibrate": "#868e96",

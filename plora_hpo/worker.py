@@ -378,10 +378,11 @@ class _Pack:
     ) -> None:
         """Train a new adapter, or one from its saved ``state``, for ``steps`` steps on ``task``."""
         job = AdapterJob(adapter_id, config, self.worker.resources.tasks[task].examples, steps)
-        if state is None:
-            self.trainer.add_job(job)
-        else:
-            restore(self.trainer, job, state)
+        with phase("join"):
+            if state is None:
+                self.trainer.add_job(job)
+            else:
+                restore(self.trainer, job, state)
 
     @_replayed
     def stop_training(self, adapter_id: str) -> None:
