@@ -37,6 +37,8 @@ Usage::
     python3 benchmarks/quality.py --device cuda --space paper120 --steps 1000 --pack-size 120 \
         --eval-batch-size 2048 --jobs 3 --seeds 4 --data-dir .device_data --out $OUT/quality-h200.json   # a GPU
     python3 benchmarks/quality.py ... --search-from benchmarks/results/quality-h200.json   # the later stages
+    python benchmarks/quality.py --search-from benchmarks/results/quality-h200.json --space paper120 \
+        --steps 1000 --seeds 2 --seed-sweeps each   # the GPU's best config and the default, on this CPU
 
 The JSON (machine, date, versions, command) goes to ``--out``; a short table prints last.
 """
