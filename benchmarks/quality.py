@@ -382,6 +382,8 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
             continue
         c = t.get("hflm_check")
         check = f"sweep {c['sweep']:.4f} HFLM {c['hflm']:.4f}" if c else "skipped"
+        if c and not c["same_documents"]:
+            check += " (not the same documents: --eval-limit, comparable only without it)"
         print(
             f"{t['task']:6} {t['metric']:10} {fmt(t['seeds']['default']):>14} {fmt(t['seeds']['best']):>14} "
             f"{num(t.get('gain_mean_best_minus_default')):>7} {num(t.get('gain_fresh_seeds')):>7} "
