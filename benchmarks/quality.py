@@ -191,23 +191,29 @@ def sweep_dtype(args: argparse.Namespace) -> str:
 
 
 def hflm_score(
-    task: str, adapter_dir: str, args: argparse.Namespace, metric: str, dtype: str
+    task: str, adapter_dir: str, args: argparse.Namespace, metric: str, dtype: str, seed: int
 ) -> tuple[float, list[int]]:
-    """lm-eval's ``HFLM`` + PEFT on the exported adapter, the sweep's documents: the metric and
-    each document's chosen answer (by doc id)."""
+    """lm-eval's ``HFLM`` + PEFT on the exported adapter, on the documents its sweep (of ``seed``)
+    scored (all, or its seeded sample of ``--eval-limit``): the metric and each document's chosen
+    answer (by doc id)."""
     import torch
     from lm_eval.evaluator import evaluate
     from lm_eval.models.huggingface import HFLM
 
     from plora_hpo.evaluation.runner import FEWSHOT_SEED, lm_eval_tasks
+    from plora_hpo.evaluation.sampling import document_sample
     from plora_hpo.tasks import build_eval_tasks
 
     base = json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["base_model_name_or_path"]
     lm = HFLM(pretrained=base, peft=adapter_dir, dtype=dtype, device=args.device, batch_size=32)
     task_dict = build_eval_tasks(task, data_dir=args.data_dir)
+    samples = {}
     for t in lm_eval_tasks(task_dict):
         t.set_fewshot_seed(seed=FEWSHOT_SEED)
-    out = evaluate(lm=lm, task_dict=task_dict, limit=args.eval_limit, bootstrap_iters=0, log_samples=True)
+        picked = document_sample(t, args.eval_limit, seed=seed) if args.eval_limit else None
+        if picked is not None:
+            samples[t.config.task] = picked
+    out = evaluate(lm=lm, task_dict=task_dict, samples=samples or None, bootstrap_iters=0, log_samples=True)
     docs = sorted(out["samples"][task], key=lambda d: d["doc_id"])
     choices = [max(range(len(d["filtered_resps"])), key=lambda i: d["filtered_resps"][i][0]) for d in docs]
     del lm
@@ -216,15 +222,15 @@ def hflm_score(
     return out["results"][task][metric], choices
 
 
-def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: str) -> dict:
+def hflm_check(task: str, adapter_dir: str, args: argparse.Namespace, metric: str, seed: int) -> dict:
     """The sweep's adapter scored by ``HFLM`` + PEFT in the sweep's dtype and, when that is not
     fp32, in fp32 too: how many documents change answer with the dtype's rounding alone."""
     started = time.perf_counter()
     dtype = sweep_dtype(args)
-    value, choices = hflm_score(task, adapter_dir, args, metric, dtype)
+    value, choices = hflm_score(task, adapter_dir, args, metric, dtype, seed)
     check = {"hflm": value, "dtype": dtype}
     if dtype != "float32":
-        exact, exact_choices = hflm_score(task, adapter_dir, args, metric, "float32")
+        exact, exact_choices = hflm_score(task, adapter_dir, args, metric, "float32", seed)
         flipped = sum(a != b for a, b in zip(choices, exact_choices, strict=True))
         check.update(hflm_float32=exact, docs_flipped_by_dtype=flipped, docs=len(choices))
     check["seconds"] = time.perf_counter() - started
@@ -252,6 +258,7 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
     entry.update(configs=configs, best_params=best["params"], seeds=seeds)
     save()
     checked = best if Path(best.get("adapter_dir") or "").is_dir() else None  # an earlier run's is gone
+    checked_seed = 0  # the seed of the sweep that trained it
     fresh = list(range(1, args.seeds))
     twin = None  # the best config once more in fp32, where its score must equal HFLM's exactly
     if fresh and within_budget(args, "seeds", entry):
@@ -277,7 +284,7 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
                 for row in trials_of(d, study_name(load_sweep(f), task))
             ]
             seeds["default"].append(next(r["value"] for r in rows if same(r["params"], DEFAULT)))
-            checked = next(r for r in rows if same(r["params"], best["params"]))
+            checked, checked_seed = next(r for r in rows if same(r["params"], best["params"])), seed
             seeds["best"].append(checked["value"])
         if sweep_dtype(args) != "float32":
             entry["seconds"]["fp32"] = walls[-1]
@@ -285,13 +292,12 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
         entry.update(gains(seeds))
         save()
     if checked is not None and within_budget(args, "hflm_check", entry):
-        check = hflm_check(task, checked["adapter_dir"], args, entry["metric"])
+        check = hflm_check(task, checked["adapter_dir"], args, entry["metric"], checked_seed)
         check["sweep"] = checked["value"]
-        check["same_documents"] = args.eval_limit is None  # a limit samples the sweep's documents at random
         entry["hflm_check"] = check
         save()
     if twin is not None and within_budget(args, "fp32_check", entry):
-        value, _ = hflm_score(task, twin["adapter_dir"], args, entry["metric"], "float32")
+        value, _ = hflm_score(task, twin["adapter_dir"], args, entry["metric"], "float32", fresh[0])
         entry["fp32_check"] = {"params": twin["params"], "seed": fresh[0], "sweep": twin["value"], "hflm": value}
         save()
 
@@ -382,8 +388,6 @@ def print_table(result: dict, args: argparse.Namespace) -> None:
             continue
         c = t.get("hflm_check")
         check = f"sweep {c['sweep']:.4f} HFLM {c['hflm']:.4f}" if c else "skipped"
-        if c and not c["same_documents"]:
-            check += " (not the same documents: --eval-limit, comparable only without it)"
         print(
             f"{t['task']:6} {t['metric']:10} {fmt(t['seeds']['default']):>14} {fmt(t['seeds']['best']):>14} "
             f"{num(t.get('gain_mean_best_minus_default')):>7} {num(t.get('gain_fresh_seeds')):>7} "
