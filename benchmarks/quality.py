@@ -270,7 +270,7 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
                 part = "" if len(spaces) == 1 else f"-{j}"
                 files.append(sweep_file(work / f"{task}-s{seed}{part}.yaml", task, args, seed, space))
                 run_dirs.append(work / f"{task}-seed{seed}{part}")
-        per_seed = len(files)
+        twin_index = len(files)  # the fp32 twin, if any, comes after the seed sweeps
         if sweep_dtype(args) != "float32":
             files.append(sweep_file(work / f"{task}-fp32.yaml", task, args, fresh[0], alone(best["params"]), "float32"))
             run_dirs.append(work / f"{task}-fp32")
@@ -288,7 +288,7 @@ def quality(task: str, args: argparse.Namespace, work: Path, entry: dict, save: 
             seeds["best"].append(checked["value"])
         if sweep_dtype(args) != "float32":
             entry["seconds"]["fp32"] = walls[-1]
-            twin = trials_of(run_dirs[per_seed], study_name(load_sweep(files[per_seed]), task))[0]
+            twin = trials_of(run_dirs[twin_index], study_name(load_sweep(files[twin_index]), task))[0]
         entry.update(gains(seeds))
         save()
     if checked is not None and within_budget(args, "hflm_check", entry):
