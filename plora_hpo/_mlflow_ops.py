@@ -38,7 +38,9 @@ def replay(store: MlflowClient, run_id: str, op: Op) -> None:
     elif op.kind == "artifacts":
         if Path(p["path"]).is_dir():
             store.log_artifacts(run_id, p["path"], artifact_path=p["artifact_path"])
+        elif Path(p["path"]).is_file():
+            store.log_artifact(run_id, p["path"], artifact_path=p["artifact_path"])
         else:
-            log.warning("artifact folder %s is gone; run %s does not get it", p["path"], run_id)
+            log.warning("artifact %s is gone; run %s does not get it", p["path"], run_id)
     elif op.kind == "terminate":
         store.set_terminated(run_id, status=p["status"], end_time=p["end_time"])

@@ -382,7 +382,8 @@ class SweepRun:
             self.pack_segments, self.run_dir / "packs", started_at=self._opened_at, title=self.config.name
         )
         if self.tracker is not None and self.tracker.parent_run_id is not None:
-            self.tracker.log_folder(self.tracker.parent_run_id, folder, "packs")  # with the workers' own
+            for name in ("packs.json", "packs.png"):  # the workers logged their own folders
+                self.tracker.log_folder(self.tracker.parent_run_id, folder / name, "packs")
 
     def _record_summary(self) -> None:
         """The sweep's outcome on the MLflow parent run: each task's best value (metric

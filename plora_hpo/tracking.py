@@ -272,9 +272,10 @@ class SweepTracker:
             return None
 
     def log_folder(self, run_id: str, folder: Path, artifact_path: str) -> None:
-        """Every file of ``folder`` becomes an artifact of the run under ``artifact_path``.
+        """Every file of ``folder`` (or the one file ``folder``) becomes an artifact of the run
+        under ``artifact_path``.
 
-        During an outage the folder is queued by path: it must stay in place until delivered.
+        During an outage it is queued by path: it must stay in place until delivered.
         """
         self._queue.submit(Op("artifacts", run_id, {"path": str(folder), "artifact_path": artifact_path}))
 

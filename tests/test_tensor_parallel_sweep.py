@@ -113,6 +113,10 @@ def test_a_degree_two_sweep_equals_the_same_sweep_at_degree_one(tmp_path, tiny_l
     record = json.loads((tmp_path / "runs2" / "packs" / "packs.json").read_text())  # the workers' records, merged
     assert record["summary"]["packs"] >= 1 and all(d.startswith("cpu@") for d in record["summary"]["devices"])
     assert f"packs: {record['summary']['packs']} packs in {record['summary']['segments']} compositions" in log
+    client = MlflowClient(f"sqlite:///{tmp_path / 'runs2' / 'mlflow.db'}")
+    [parent] = client.search_runs([client.get_experiment_by_name("tp2").experiment_id], "tags.`plora.kind` = 'sweep'")
+    logged = {a.path for a in client.list_artifacts(parent.info.run_id, "packs")}
+    assert {"packs/packs.json", "packs/packs.png"} <= logged  # the merged record, beside the workers' folders
     for point, (one, one_curve) in runs[1].items():
         two, two_curve = runs[2][point]
         assert two.params == one.params and len(one_curve) == 6
