@@ -369,9 +369,10 @@ class SweepRun:
             self._release()
 
     def _merge_worker_records(self) -> None:
-        """Add the pack records of this run's worker processes (``packs/<process>/``) to this
-        process's own packs, on one clock: ``pack_segments``, ``<run_dir>/packs/packs.json`` and a
-        Gantt chart of every process's devices, also logged to the MLflow parent run."""
+        """Add the pack records this run's worker processes have written by now
+        (``packs/<process>/``; a joined worker still finishing is not waited for) to this
+        process's own packs, on one clock: ``pack_segments``, ``<run_dir>/packs/packs.json`` and
+        a Gantt chart of every process's devices, also logged to the MLflow parent run."""
         assert self._opened_at is not None
         theirs = gather_pack_records(self.run_dir / "packs", since=self._opened_at)
         if not theirs:
