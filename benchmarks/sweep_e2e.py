@@ -76,9 +76,11 @@ CLI_SHIM = (
 SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measured_step_seconds",
                 "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "solver",
                 "plan_seconds")  # fmt: skip
-PHASES = ["train", "evaluate", "export", "checkpoint", "join", "mlflow", "planner", "calibrate", "optuna", "gather",
-          "idle"]  # fmt: skip
+PHASES = ["load-model", "load-data", "train", "evaluate", "export", "checkpoint", "join", "mlflow", "planner",
+          "calibrate", "optuna", "gather", "idle"]  # fmt: skip
 COLORS = {
+    "load-model": "#e67700",
+    "load-data": "#f59f00",
     "train": "#2b8a3e",
     "evaluate": "#1971c2",
     "export": "#f08c00",
@@ -285,7 +287,8 @@ def read_trials(run_dir: Path, sweep_file: Path, start: float) -> list[dict]:
 def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
-    events = [e for e in events if not e["thread"].endswith("-checkpoints")]
+    loading = [e for e in events if not e["thread"].startswith("plora-")]  # the process's own thread
+    events = [e for e in events if e["thread"].startswith("plora-") and e not in background]
     if not events:
         return {"note": "no timeline events (PLORA_HPO_TIMELINE not honoured?)"}
     bounds = sorted({e["start"] for e in events} | {e["end"] for e in events})
@@ -299,19 +302,25 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     seconds["startup"] = first - start
     seconds["shutdown"] = end - last
     wall = end - start
+    startup_phases = {
+        name: round(sum(e["end"] - e["start"] for e in loading if e["phase"] == name), 3)
+        for name in sorted({e["phase"] for e in loading})
+    }
     steps = [e["end"] - e["start"] for e in events if e["phase"] == "train"]
     warm = sorted(steps[2:]) if len(steps) > 3 else sorted(steps)
     return {
         "wall_s": wall,
         "seconds": {k: round(v, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])},
         "fraction": {k: round(v / wall, 4) for k, v in seconds.items()},
+        "startup_phases": startup_phases,
         "background_checkpoint_write_s": round(sum(e["end"] - e["start"] for e in background), 3),
         "background_checkpoint_writes": len(background),
         "train_steps": len(steps),
         "step_seconds_median": warm[len(warm) // 2] if warm else None,
         "step_seconds_first": steps[0] if steps else None,
         "note": "exclusive wall seconds of the worker thread by innermost phase; 'loop' = in a pack, no phase; "
-        "'startup' = process start to the worker's first phase (imports, model load, data, study); "
+        "'startup' = process start to the worker's first phase (imports, input checks, model and data, "
+        "stores), with startup_phases the parts of it the process timed; "
         "'shutdown' = the worker's last phase to process exit; background_checkpoint_write_s: the checkpoint "
         "writer thread's torch.save time, overlapping the worker's phases",
     }
@@ -749,15 +758,21 @@ def print_table(result: dict) -> None:
     tl = sweep.get("timeline", {})
     if "seconds" in tl:
         print("timeline (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl["seconds"].items()))
+        print("of the startup (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("startup_phases", {}).items()))
     if result.get("tests"):
         print("pytest -m gpu:", result["tests"].get("summary"))
 
 
-def run_tests(timeout_s: float) -> dict:
+GPU_TEST_DIRS = ("tests/gpu", "tests/engine")  # the sweep's CUDA path; the engine's device-specific cases
+
+
+def run_tests(timeout_s: float, data_dir: Path) -> dict:
+    """``pytest -m gpu`` on the benchmark's task data (without it the tests that read MRPC skip)."""
     start = time.time()
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "tests/gpu", "-v", "-p", "no:cacheprovider", "--tb=short"]
+    env = {**os.environ, "PLORA_HPO_TEST_DATA": str(data_dir.resolve())}
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", *GPU_TEST_DIRS, "-v", "-p", "no:cacheprovider", "--tb=short"]
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
         out, rc = proc.stdout + proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as exc:
         raw = exc.stdout or b""
@@ -769,8 +784,8 @@ def run_tests(timeout_s: float) -> dict:
             if "::" in ln and f" {word}" in ln:
                 outcomes[ln.split(" ")[0].split("::")[-1]] = word
     summary = lines[-1] if lines and rc != "timeout" else f"timed out after {timeout_s:.0f}s: {outcomes}"
-    return {"command": "python -m pytest -m gpu tests/gpu -v", "returncode": rc, "seconds": time.time() - start,
-            "outcomes": outcomes, "summary": summary, "tail": out[-3000:]}  # fmt: skip
+    return {"command": f"python -m pytest -m gpu {' '.join(GPU_TEST_DIRS)} -v", "returncode": rc,
+            "seconds": time.time() - start, "outcomes": outcomes, "summary": summary, "tail": out[-3000:]}  # fmt: skip
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -802,6 +817,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=560.0, help="skip later stages past this many seconds")
     p.add_argument("--sweep-timeout-s", type=float, default=400.0)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--name", default=None, help="results file stem (default: sweep-e2e-<task>-h200, or -smoke)")
     p.add_argument("--colocated-worker", default=None, dest="worker_spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
@@ -864,7 +880,7 @@ def main(argv=None) -> None:
         "device": device,
         "seed": config.seed,
     }
-    name = "sweep-e2e-smoke" if args.smoke else f"sweep-e2e-{args.task}-h200"
+    name = args.name or ("sweep-e2e-smoke" if args.smoke else f"sweep-e2e-{args.task}-h200")
     skipped = result.setdefault("skipped", [])
 
     def left() -> float:
@@ -916,7 +932,7 @@ def main(argv=None) -> None:
                 skipped.append(f"colocated: {left():.0f}s of the budget left")
         if args.tests:
             if left() > 60:
-                result["tests"] = run_tests(min(args.tests_timeout_s, left() - 10))
+                result["tests"] = run_tests(min(args.tests_timeout_s, left() - 10), args.data_dir)
                 print(f"[tests] {result['tests']['summary']} ({result['tests']['seconds']:.0f}s)", flush=True)
             else:
                 skipped.append(f"tests: {left():.0f}s of the budget left")

@@ -8,6 +8,8 @@ synthetic task, random weights at a real shape with the embedded model's tokeniz
 * ``processes@1``: one GPU, one worker process (``--workers processes``);
 * ``processes@N`` (N > 1 visible GPUs): one worker process per GPU, sharing the sweep's storage.
 
+An untimed warm-up run comes first (``--no-warmup`` to skip): Triton's compiled kernels and
+Python's bytecode are cached on disk, and whichever mode ran first would pay for compiling them.
 It reports each mode's wall time, the per-trial final losses and scores next to ``threads@1``'s
 (same configs, keyed by params), and the scaling of ``processes@N`` over ``processes@1``. The JSON
 goes under ``$OUT``; a short table is printed last.
@@ -95,6 +97,12 @@ def main(argv=None) -> None:
     p.add_argument("--pack-size", type=int, default=16)
     p.add_argument("--eval-limit", type=int, default=32)
     p.add_argument("--timeout-s", type=float, default=240.0, help="per mode")
+    p.add_argument(
+        "--warmup",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="first run the sweep once untimed (threads), so no timed mode pays for cold compile caches",
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.smoke:
@@ -111,6 +119,10 @@ def main(argv=None) -> None:
         work / "sweep.yaml", work / "model", "synthetic", args.steps, args.configs, args.pack_size,
         {"limit": args.eval_limit, "batch_size": 64},
     )  # fmt: skip
+    warmup = None
+    if args.warmup:  # compiled Triton kernels and Python bytecode are cached on disk: the first run pays
+        warmup = run_mode(args, sweep_file, work, "warmup", gpus[:1], "threads")
+        warmup = {k: v for k, v in warmup.items() if k != "trials"}
     modes = {"threads@1": (gpus[:1], "threads"), "processes@1": (gpus[:1], "processes")}
     if len(gpus) > 1:
         modes[f"processes@{len(gpus)}"] = (gpus, "processes")
@@ -124,11 +136,12 @@ def main(argv=None) -> None:
         "versions": versions(),
         "model": model,
         "workload": f"synthetic, {args.configs} paper120 configs x {args.steps} steps, pack {args.pack_size}",
+        "warmup": warmup,
         "runs": runs,
         "agreement_with_threads@1": {name: compare(runs["threads@1"], run) for name, run in runs.items()},
     }
     one, many = runs["processes@1"], runs.get(f"processes@{len(gpus)}")
-    if many and one.get("returncode") == 0 and many.get("returncode") == 0:
+    if len(gpus) > 1 and many and one.get("returncode") == 0 and many.get("returncode") == 0:
         result["scaling"] = one["wall_s"] / many["wall_s"]
     suffix = "smoke" if args.smoke else f"{device}x{len(gpus)}"
     path = args.out / f"sweep-workers-{suffix}.json"

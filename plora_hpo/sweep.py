@@ -26,6 +26,7 @@ from plora_hpo.cpu_threads import use_available_cores
 from plora_hpo.errors import ConfigError
 from plora_hpo.reporting import MlflowReporter, NullReporter, PackSegment
 from plora_hpo.resources import DeviceResources, TaskData, device_spec, total_steps
+from plora_hpo.timeline import phase
 from plora_hpo.tracking import SweepTracker
 from plora_hpo.trials import PackProgress, TrialInterrupted, TrialOutcome, TrialPool, TrialRequest, TrialTicket
 from plora_hpo.worker import DeviceWorker
@@ -101,12 +102,14 @@ class PackedSweep:
             raise ConfigError(f"--device {device}: a process of a tensor-parallel group trains on one device")
         if any(d.type == "cpu" for d in self.devices):
             use_available_cores()
-        self.base = self._load_base(self.devices[0])
+        with phase("load-model"):
+            self.base = self._load_base(self.devices[0])
         from plora_hpo.tasks import resolve_task
 
         self.specs = {task: resolve_task(task, config.custom_tasks) for task in config.tasks}
         first_eval: dict[str, Any] = {}
-        self.tasks = {task: self._load_task(task, first_eval) for task in config.tasks}
+        with phase("load-data"):
+            self.tasks = {task: self._load_task(task, first_eval) for task in config.tasks}
         self.pool = TrialPool()
         self.reporter: MlflowReporter | NullReporter = (
             NullReporter()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plora_hpo.adapter import AdapterConfig
+from plora_hpo.engine.host_copy import host_copies
 from plora_hpo.engine.trainer import AdapterJob, PackedTrainer
 
 
@@ -88,11 +89,15 @@ def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, floa
     states = [dict(trainer.optimizer.state.get(p, {})) for p in params]
     if packed.parallel is not None:
         states = _converted(states, len(packed.whole_chunk_widths), packed.whole_rows)
+    copied = host_copies(
+        {("weights", k): v for k, v in packed.state_dict_of(adapter_id).items()}
+        | {(i, k): v for i, state in enumerate(states) for k, v in state.items()}
+    )
     return AdapterState(
         config=trainer.jobs[adapter_id].config,
         steps_done=trainer.steps_done[adapter_id],
-        weights={k: v.detach().to("cpu", copy=True) for k, v in packed.state_dict_of(adapter_id).items()},
-        optimizer_state=[{k: v.detach().to("cpu", copy=True) for k, v in state.items()} for state in states],
+        weights={k: v for (owner, k), v in copied.items() if owner == "weights"},
+        optimizer_state=[{k: v for (owner, k), v in copied.items() if owner == i} for i in range(len(states))],
         stream_position=trainer.stream_position(adapter_id),
         curve=list(curve),
     )

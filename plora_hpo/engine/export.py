@@ -10,6 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
+from plora_hpo.engine.host_copy import host_copies
 from plora_hpo.engine.packed_lora import PackedLoraModel
 
 _PEFT_PREFIX = "base_model.model."
@@ -43,10 +44,9 @@ def export_peft_adapter(
     factors are gathered) and rank 0 of the group writes.
     """
     directory = Path(directory)
-    tensors = {
-        f"{_PEFT_PREFIX}{key}": value.float().contiguous().cpu()
-        for key, value in packed.state_dict_of(adapter_id).items()
-    }
+    tensors = host_copies(
+        {f"{_PEFT_PREFIX}{key}": value.float() for key, value in packed.state_dict_of(adapter_id).items()}
+    )
     if packed.parallel is not None and packed.parallel.index != 0:
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
