@@ -9,17 +9,21 @@ that drive workers without a tracking store. Both keep the pack decisions
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from plora_hpo.errors import first_line
 from plora_hpo.trials import TrialRequest
 
 if TYPE_CHECKING:
     from plora_hpo.engine import PackStats
     from plora_hpo.tracking import SweepTracker
+
+log = logging.getLogger(__name__)
 
 
 class TrialRecord(Protocol):
@@ -113,6 +117,9 @@ class _SegmentLog:
         with self._lock:
             self.segments.append(segment)
 
+    def close(self) -> None:
+        """Deliver what is still pending (the sweep is done with this reporter)."""
+
 
 class NullReporter(_SegmentLog):
     """Records pack segments only; trial runs get stand-in ids (``null-<adapter id>``)."""
@@ -161,6 +168,13 @@ class MlflowReporter(_SegmentLog):
         self.trial_params = trial_params
         self.primary_metric = primary_metric or _builtin_primary
         self._logged: dict[str, dict[str, int]] = {}  # per run: the last step already logged per metric
+        # live curves go out on a thread of their own: the training loop hands them over and goes on
+        self._live: dict[str, list[tuple[int, float, float]]] = {}  # run id -> its latest undelivered curve
+        self._live_sending: str | None = None
+        self._live_closed = False
+        self._live_changed = threading.Condition()
+        self._live_thread = threading.Thread(target=self._deliver_live, name="mlflow-live-curves", daemon=True)
+        self._live_thread.start()
 
     def trial_started(self, request: TrialRequest, run_id: str | None, pack_id: str) -> str:
         tags = {"plora.pack_id": pack_id, "plora.trial_number": str(request.number), "plora.task": request.task}
@@ -175,7 +189,13 @@ class MlflowReporter(_SegmentLog):
 
     def _log(self, run_id: str, rows: list[tuple[str, float, int]], *, done: bool = True) -> None:
         """Log the rows the run does not hold yet: those reported live, or a crashed predecessor's
-        (a retry retrains logged steps). ``done``: the run's last report, forget what it holds."""
+        (a retry retrains logged steps). ``done``: the run's last report, forget what it holds
+        (its live curve still waiting is dropped, one being sent is waited for)."""
+        if done:
+            with self._live_changed:
+                self._live.pop(run_id, None)
+                while self._live_sending == run_id:
+                    self._live_changed.wait()
         with self._lock:
             logged = self._logged.pop(run_id, {}) if done else self._logged.setdefault(run_id, {})
             new = [r for r in rows if r[0] not in logged or r[2] > logged[r[0]]]
@@ -185,7 +205,40 @@ class MlflowReporter(_SegmentLog):
         self.tracker.log_metrics(run_id, new)
 
     def trial_progress(self, record: TrialRecord) -> None:
-        self._log(record.run_id, curve_rows(record.curve), done=False)
+        with self._live_changed:
+            self._live[record.run_id] = list(record.curve)  # replaces an older curve not yet sent
+            self._live_changed.notify_all()
+
+    def _deliver_live(self) -> None:
+        while True:
+            with self._live_changed:
+                while not self._live and not self._live_closed:
+                    self._live_changed.wait()
+                if not self._live:
+                    return
+                run_id = next(iter(self._live))
+                curve = self._live.pop(run_id)
+                self._live_sending = run_id
+            try:
+                self._log(run_id, curve_rows(curve), done=False)
+            except Exception as err:  # a live view only: the run's last report logs the whole curve
+                log.warning("the live loss curve of MLflow run %s was not logged: %s", run_id, first_line(err))
+            finally:
+                with self._live_changed:
+                    self._live_sending = None
+                    self._live_changed.notify_all()
+
+    def flush(self) -> None:
+        """Wait until every live curve handed over so far is logged."""
+        with self._live_changed:
+            while self._live or self._live_sending is not None:
+                self._live_changed.wait()
+
+    def close(self) -> None:
+        with self._live_changed:
+            self._live_closed = True
+            self._live_changed.notify_all()
+        self._live_thread.join()
 
     def trial_completed(
         self, record: TrialRecord, pack_id: str, metrics: dict[str, float], adapter_dir: Path, stats: PackStats

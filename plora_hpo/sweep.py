@@ -304,7 +304,8 @@ class PackedSweep:
 
     def close(self) -> None:
         """Stop the workers (a pack still training checkpoints its adapters first; idempotent,
-        thread-safe), then write the record of pack decisions (:meth:`write_pack_record`)."""
+        thread-safe), write the record of pack decisions (:meth:`write_pack_record`) and deliver
+        the live loss curves still pending."""
         with self._close_lock:
             for ticket in self.pool.close():  # trials no worker took any more
                 ticket.fail(TrialInterrupted(f"{ticket.request.adapter_id}: the sweep stopped before it started"))
@@ -313,6 +314,7 @@ class PackedSweep:
                     worker.join()
                 self._started = False
                 self.write_pack_record()
+            self.reporter.close()
 
     def write_pack_record(self) -> Path | None:
         """``<run_dir>/packs/[<label>/]packs.json`` and ``packs.png`` (what ran next to what was

@@ -1,8 +1,9 @@
-"""The notebook on a `benchmarks/quality.py` result file (its default source): every section runs."""
+"""The notebook on `benchmarks/quality.py` result files (its default source): every section runs, per task."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_notebook_executes_against_a_results_file(tmp_path, monkeypatch):
+def test_notebook_executes_against_results_files(tmp_path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     from nbclient import NotebookClient
 
@@ -23,7 +24,8 @@ def test_notebook_executes_against_a_results_file(tmp_path, monkeypatch):
     path = tmp_path / "quality.json"
     path.write_text(json.dumps(results))
     monkeypatch.delenv("PLORA_STORAGE", raising=False)
-    monkeypatch.setenv("PLORA_RESULTS", str(path))
+    mrpc = REPO / "benchmarks" / "results" / "quality-mrpc-h200-seeds.json"  # a second file, another task
+    monkeypatch.setenv("PLORA_RESULTS", f"{path}{os.pathsep}{mrpc}")
     monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
 
     nb = nbformat.read(REPO / "notebooks" / "explore_120.ipynb", as_version=4)
@@ -32,5 +34,7 @@ def test_notebook_executes_against_a_results_file(tmp_path, monkeypatch):
     assert not [o for o in outputs if o.output_type == "error"]
     text = "".join(o.get("text", "") + o.get("data", {}).get("text/plain", "") for o in outputs)
     assert text.startswith("quality.json: ") and "COLLAPSED" in text  # the file's collapsed classifiers show
-    assert "-0.020703" in text and "0.028780" in text  # the default's seed values, the best one's spread
-    assert sum("image/png" in o.get("data", {}) for o in outputs) == 2  # heatmaps and loss curves of one task
+    assert "quality-mrpc-h200-seeds.json: " in text
+    assert "-0.020703" in text and "0.028780" in text  # CoLA: the default's seed values, the best one's spread
+    assert "0.112745" in text  # MRPC: the best config's mean gain over the default
+    assert sum("image/png" in o.get("data", {}) for o in outputs) == 4  # heatmaps and loss curves of each task

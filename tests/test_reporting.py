@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,16 +24,23 @@ class _Record:
     resumed_from: int = 0
 
 
-def test_curve_is_live_while_training_and_logged_once(tmp_path: Path):
+def _one_trial(tmp_path: Path) -> tuple[SweepTracker, MlflowReporter, _Record, MlflowClient]:
+    """A parent run on a real sqlite store, a reporter and one started trial run."""
     tracker = SweepTracker(default_tracking_uri(tmp_path), "live", artifact_root=tmp_path)
     tracker.start("live", {})
     reporter = MlflowReporter(tracker, lambda request: {"rank": request.config.rank})
     request = TrialRequest("synthetic", 0, AdapterConfig(16, 16.0, 2e-4, 2))
     record = _Record(request, reporter.trial_started(request, None, "pack-0"))
     client = MlflowClient(tracker.tracking_uri)
+    return tracker, reporter, record, client
+
+
+def test_curve_is_live_while_training_and_logged_once(tmp_path: Path):
+    tracker, reporter, record, client = _one_trial(tmp_path)
 
     record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2, 3)]
-    reporter.trial_progress(record)
+    reporter.trial_progress(record)  # handed to the reporter's thread: the training loop goes on
+    reporter.flush()
     tracker.flush()
     assert client.get_run(record.run_id).info.status == "RUNNING"
     assert [m.step for m in client.get_metric_history(record.run_id, "train_loss")] == [1, 2, 3]
@@ -47,4 +55,43 @@ def test_curve_is_live_while_training_and_logged_once(tmp_path: Path):
     tracker.finish()
     tracker.flush()
     assert [m.step for m in client.get_metric_history(record.run_id, "train_loss")] == [1, 2, 3, 4, 5, 6]
+    assert client.get_run(record.run_id).info.status == "FINISHED"
+    reporter.close()
+
+
+def test_live_curves_leave_the_training_thread_and_a_finished_run_waits_for_one_in_flight(tmp_path: Path):
+    tracker, reporter, record, client = _one_trial(tmp_path)
+
+    sending, release, senders = threading.Event(), threading.Event(), []
+    log_metrics = tracker.log_metrics
+
+    def slow_store(run_id, rows):  # the fault: a tracking store that takes its time
+        senders.append(threading.current_thread().name)
+        if threading.current_thread().name == "mlflow-live-curves" and not release.is_set():
+            sending.set()
+            assert release.wait(30)
+        log_metrics(run_id, rows)
+
+    tracker.log_metrics = slow_store
+    record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2, 3)]
+    reporter.trial_progress(record)  # returns at once although the store is slow
+    assert sending.wait(30)
+    assert senders == ["mlflow-live-curves"]
+
+    record.curve.append((4, 2.6, 2e-4))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    finisher = threading.Thread(
+        target=reporter.trial_completed, args=(record, "pack-0", {"acc,none": 0.5}, adapter, PackStats())
+    )
+    finisher.start()
+    finisher.join(0.5)
+    assert finisher.is_alive()  # the run's last report waits for the live curve being sent
+    release.set()
+    finisher.join(30)
+    reporter.close()
+    tracker.finish()
+    tracker.flush()
+    assert [m.step for m in client.get_metric_history(record.run_id, "train_loss")] == [1, 2, 3, 4]
     assert client.get_run(record.run_id).info.status == "FINISHED"
