@@ -90,14 +90,18 @@ def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, floa
     if packed.parallel is not None:
         states = _converted(states, len(packed.whole_chunk_widths), packed.whole_rows)
     copied = host_copies(
-        {("weights", k): v for k, v in packed.state_dict_of(adapter_id).items()}
+        {(None, k): v for k, v in packed.state_dict_of(adapter_id).items()}  # one wait for all of it
         | {(i, k): v for i, state in enumerate(states) for k, v in state.items()}
     )
+    weights: dict[str, torch.Tensor] = {}
+    optimizer_state: list[dict[str, torch.Tensor]] = [{} for _ in states]
+    for (index, key), value in copied.items():
+        (weights if index is None else optimizer_state[index])[key] = value
     return AdapterState(
         config=trainer.jobs[adapter_id].config,
         steps_done=trainer.steps_done[adapter_id],
-        weights={k: v for (owner, k), v in copied.items() if owner == "weights"},
-        optimizer_state=[{k: v for (owner, k), v in copied.items() if owner == i} for i in range(len(states))],
+        weights=weights,
+        optimizer_state=optimizer_state,
         stream_position=trainer.stream_position(adapter_id),
         curve=list(curve),
     )
