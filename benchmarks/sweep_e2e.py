@@ -70,8 +70,7 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI_SHIM = (
-    "import sys; sys.path.insert(0, {bench!r}); import _bootstrap; "
-    "from plora_hpo.cli import main; sys.exit(main(sys.argv[1:]))"
+    "import sys; sys.path.insert(0, {bench!r}); import _bootstrap; from plora_hpo.cli import entry; entry(sys.argv[1:])"
 )
 SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measured_step_seconds",
                 "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "solver",
@@ -220,6 +219,7 @@ def run_sweep(args, sweep_file: Path, run_dir: Path, sampler: GpuSampler, timeou
     timeline = args.out / "timeline.jsonl"  # under $OUT: a call cut short still returns the phases so far
     timeline.unlink(missing_ok=True)
     argv = ["sweep", str(sweep_file), "--run-dir", str(run_dir), "--data-dir", str(args.data_dir)]
+    argv += ["--workers", args.workers] if args.workers else []
     cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
     env = {**os.environ, "PLORA_HPO_TIMELINE": str(timeline), "PYTHONUNBUFFERED": "1"}
     log_path = args.out / "sweep.log"
@@ -287,7 +287,7 @@ def read_trials(run_dir: Path, sweep_file: Path, start: float) -> list[dict]:
 def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
-    loading = [e for e in events if not e["thread"].startswith("plora-")]  # the process's own thread
+    loading = [e for e in events if e["thread"] == "MainThread"]  # the sweep's processes' own threads
     events = [e for e in events if e["thread"].startswith("plora-") and e not in background]
     if not events:
         return {"note": "no timeline events (PLORA_HPO_TIMELINE not honoured?)"}
@@ -298,14 +298,19 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         active = [e for e in events if e["start"] <= mid < e["end"]]
         name = min(active, key=lambda e: e["end"] - e["start"])["phase"] if active else "loop"
         seconds[name] = seconds.get(name, 0.0) + (b - a)
-    first, last = bounds[0], bounds[-1]
-    seconds["startup"] = first - start
-    seconds["shutdown"] = end - last
+    seconds["startup"] = bounds[0] - start
+    seconds["shutdown"] = end - bounds[-1]
     wall = end - start
-    startup_phases = {
-        name: round(sum(e["end"] - e["start"] for e in loading if e["phase"] == name), 3)
-        for name in sorted({e["phase"] for e in loading})
-    }
+    first = bounds[0]
+
+    def totals(spans: list[dict]) -> dict[str, float]:
+        return {
+            name: round(sum(e["end"] - e["start"] for e in spans if e["phase"] == name), 3)
+            for name in sorted({e["phase"] for e in spans})
+        }
+
+    startup_phases = totals([e for e in loading if e["start"] < first])
+    shutdown_phases = totals([e for e in loading if e["start"] >= first])
     steps = [e["end"] - e["start"] for e in events if e["phase"] == "train"]
     warm = sorted(steps[2:]) if len(steps) > 3 else sorted(steps)
     return {
@@ -313,6 +318,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "seconds": {k: round(v, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])},
         "fraction": {k: round(v / wall, 4) for k, v in seconds.items()},
         "startup_phases": startup_phases,
+        "shutdown_phases": shutdown_phases,
         "background_checkpoint_write_s": round(sum(e["end"] - e["start"] for e in background), 3),
         "background_checkpoint_writes": len(background),
         "train_steps": len(steps),
@@ -320,7 +326,8 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "step_seconds_first": steps[0] if steps else None,
         "note": "exclusive wall seconds of the worker thread by innermost phase; 'loop' = in a pack, no phase; "
         "'startup' = process start to the worker's first phase (imports, input checks, model and data, "
-        "stores), with startup_phases the parts of it the process timed; "
+        "stores), with startup_phases the parts of it the sweep's processes timed (summed over processes: they "
+        "overlap); shutdown_phases: the same after the worker's first phase (closing); "
         "'shutdown' = the worker's last phase to process exit; background_checkpoint_write_s: the checkpoint "
         "writer thread's torch.save time, overlapping the worker's phases",
     }
@@ -347,7 +354,8 @@ def segment_step_starts(segments: list[dict], events: list[dict], index: int) ->
     """
     device = segments[index]["device"]
     mine = [i for i, s in enumerate(segments) if s["device"] == device]
-    starts = sorted(e["start"] for e in events if e["phase"] == "train" and e["thread"] == f"plora-{device}")
+    thread = f"plora-{device.partition('@')[0]}"  # a worker process's devices are <device>@<process>
+    starts = sorted(e["start"] for e in events if e["phase"] == "train" and e["thread"] == thread)
     if sum(segments[i]["steps"] for i in mine) != len(starts):
         return None
     first = sum(segments[i]["steps"] for i in mine if i < index)
@@ -403,13 +411,74 @@ def engine_step_seconds(config: SweepConfig, configs: list[AdapterConfig], setup
             budget = max(sweep.total_steps(setup["task"], adapter), ENGINE_WARMUP_STEPS + steps)
             trainer.add_job(AdapterJob(f"engine-{i}", adapter, examples, budget))
         step_s, warmup_s = timed(trainer.step, ENGINE_WARMUP_STEPS, steps, worker.device)
-    per_step = trainer.stats.step_seconds[-steps:]
+        per_step = trainer.stats.step_seconds[-steps:]
+        gaps = None
+        if worker.device.type == "cuda":
+            try:
+                gaps = kernel_gaps(trainer.step, GAP_PROFILE_STEPS)
+            except Exception as exc:  # a diagnosis only: the timing above stands
+                gaps = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     return {
         "engine_step_s": step_s,
         "engine_step_s_median": statistics.median(per_step),
         "engine_warmup_s": warmup_s,
         "engine_tokens_per_step": trainer.stats.tokens / trainer.stats.steps,
         "torch_threads": torch.get_num_threads(),  # on the CPU: as a sweep sizes it, the cores free at its start
+        "kernel_gaps": gaps,
+    }
+
+
+GAP_PROFILE_STEPS = 5
+
+
+def kernel_gaps(step, n: int, min_gap_us: float = 100.0) -> dict:
+    """Where the GPU waits inside training steps: ``n`` steps under torch.profiler, the share of their
+    span with a kernel or copy on the GPU, and the gaps (at least ``min_gap_us``) summed by what the
+    host was doing meanwhile (the outermost and innermost CPU op open at the gap's middle; "python"
+    when none was)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            step()
+        torch.cuda.synchronize()
+    events = list(prof.events())
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+    cpu = [e for e in events if e.device_type == DeviceType.CPU]
+    if not spans:
+        return {"note": "the profiler saw no GPU activity"}
+    merged = [list(spans[0])]
+    for a, b in spans[1:]:
+        if a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    span = merged[-1][1] - merged[0][0]
+    busy = sum(b - a for a, b in merged)
+    by_cause: dict[str, list[float]] = {}
+    gaps = [(a[1], b[0]) for a, b in itertools.pairwise(merged) if b[0] - a[1] >= min_gap_us]
+    for start, end in gaps:
+        mid = (start + end) / 2
+        open_ops = [e for e in cpu if e.time_range.start <= mid <= e.time_range.end]
+        if open_ops:
+            outer = max(open_ops, key=lambda e: e.time_range.end - e.time_range.start).name
+            inner = min(open_ops, key=lambda e: e.time_range.end - e.time_range.start).name
+            cause = outer if outer == inner else f"{outer} > {inner}"
+        else:
+            cause = "python"
+        by_cause.setdefault(cause, []).append(end - start)
+    top = sorted(by_cause.items(), key=lambda kv: -sum(kv[1]))[:12]
+    return {
+        "steps": n,
+        "span_ms": span / 1e3,
+        "gpu_busy_share": busy / span,
+        "gaps": len(gaps),
+        "gap_ms": sum(b - a for a, b in gaps) / 1e3,
+        "gap_ms_by_host_op": {k: {"ms": round(sum(v) / 1e3, 3), "gaps": len(v)} for k, v in top},
+        "min_gap_us": min_gap_us,
     }
 
 
@@ -646,14 +715,17 @@ def run_colocated(configs: list[dict], k: int, setup: dict, sampler: GpuSampler,
 
 
 def spread(trials: list[dict], n: int) -> list[dict]:
-    """``n`` of the sweep's configs spread over (batch size, rank), so their mean time is representative."""
+    """``n`` of the sweep's configs spread over (batch size, rank), so their mean time is representative
+    (one: the middle config, neither the cheapest nor the dearest)."""
     done = sorted(
         (t for t in trials if t["state"] == "COMPLETE"),
         key=lambda t: (t["params"]["batch_size"], t["params"]["rank"], t["number"]),
     )
     if n >= len(done):
         return [t["params"] for t in done]
-    idx = [round(i * (len(done) - 1) / max(1, n - 1)) for i in range(n)]
+    if n == 1:
+        return [done[(len(done) - 1) // 2]["params"]]
+    idx = [round(i * (len(done) - 1) / (n - 1)) for i in range(n)]
     return [done[i]["params"] for i in idx]
 
 
@@ -755,10 +827,16 @@ def print_table(result: dict) -> None:
                f"engine {engine.get('engine_step_s', math.nan):.4f} s")  # fmt: skip
         print(f"sweep step / engine step: {s['sweep_over_engine'] or math.nan:.2f} (goal <= 1.10)  {how}"
               f"{'; ' + engine['error'] if 'error' in engine else ''}")  # fmt: skip
+        gaps = engine.get("kernel_gaps") or {}
+        if "gpu_busy_share" in gaps:
+            causes = ", ".join(f"{k} {v['ms']:.0f} ms" for k, v in list(gaps["gap_ms_by_host_op"].items())[:4])
+            print(f"engine under the profiler: GPU busy {gaps['gpu_busy_share']:.3f} of {gaps['span_ms']:.0f} ms; "
+                  f"gaps {gaps['gap_ms']:.0f} ms: {causes}")  # fmt: skip
     tl = sweep.get("timeline", {})
     if "seconds" in tl:
         print("timeline (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl["seconds"].items()))
         print("of the startup (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("startup_phases", {}).items()))
+        print("of the shutdown (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("shutdown_phases", {}).items()))
     if result.get("tests"):
         print("pytest -m gpu:", result["tests"].get("summary"))
 
@@ -812,6 +890,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sequential", type=int, default=3, help="configs the sequential baseline measures (0: skip)")
     p.add_argument("--colocated-k", type=int, default=8, help="co-located processes (0: skip)")
     p.add_argument("--colocated-configs", type=int, default=8, help="configs the co-located baseline measures")
+    p.add_argument(
+        "--workers",
+        choices=["threads", "processes"],
+        default=None,
+        help="the sweep's --workers (default: the sweep's own choice for the device count)",
+    )
     p.add_argument("--tests", action="store_true", help="also run pytest -m gpu first and record its result")
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
     p.add_argument("--budget-s", type=float, default=560.0, help="skip later stages past this many seconds")

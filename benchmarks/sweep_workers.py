@@ -38,7 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: F401  (plora_hpo importable from a bare checkout)
-from sweep_e2e import CLI_SHIM, device_info, make_model_dir, read_trials, versions, write_sweep_file
+from sweep_e2e import CLI_SHIM, device_info, make_model_dir, read_trials, summarize_timeline, versions, write_sweep_file
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,18 +56,29 @@ def run_mode(args, sweep_file: Path, work: Path, name: str, device: list[str], w
     argv = ["sweep", str(sweep_file), "--run-dir", str(run_dir), "--device", ",".join(device), "--workers", workers]
     cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
     log_path = args.out / f"{name.replace('@', '-')}.log"
+    timeline = args.out / f"{name.replace('@', '-')}.timeline.jsonl"
+    timeline.unlink(missing_ok=True)
+    env = {**os.environ, "PLORA_HPO_TIMELINE": str(timeline)}
     print(f"[{name}] plora-hpo {' '.join(shlex.quote(a) for a in argv)}", flush=True)
     start = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout_s)
-    wall = time.time() - start
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=args.timeout_s)
+    end = time.time()
+    wall = end - start
     print(f"[{name}] rc={proc.returncode} wall {wall:.1f}s", flush=True)
     result = {"command": "plora-hpo " + " ".join(argv), "returncode": proc.returncode, "wall_s": wall}
     if proc.returncode != 0:
         result["log_tail"] = log_path.read_text()[-3000:]
         return result
     result["trials"] = read_trials(run_dir, sweep_file, start)
+    if timeline.exists():
+        events = [json.loads(line) for line in timeline.read_text().splitlines()]
+        result["timeline"] = {k: v for k, v in summarize_timeline(events, start, end).items() if k != "note"}
     return result
+
+
+def fmt(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.1f}" for k, v in phases.items())
 
 
 def compare(reference: dict, other: dict) -> dict:
@@ -103,6 +114,9 @@ def main(argv=None) -> None:
         default=True,
         help="first run the sweep once untimed (threads), so no timed mode pays for cold compile caches",
     )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="runs per mode, the modes taking turns (the JSON keeps every run)"
+    )
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     if args.smoke:
@@ -126,7 +140,11 @@ def main(argv=None) -> None:
     modes = {"threads@1": (gpus[:1], "threads"), "processes@1": (gpus[:1], "processes")}
     if len(gpus) > 1:
         modes[f"processes@{len(gpus)}"] = (gpus, "processes")
-    runs = {name: run_mode(args, sweep_file, work, name, dev, how) for name, (dev, how) in modes.items()}
+    repeats: dict[str, list[dict]] = {name: [] for name in modes}
+    for i in range(args.repeats):  # taking turns: a drift in the machine's state hits every mode alike
+        for name, (dev, how) in modes.items():
+            repeats[name].append(run_mode(args, sweep_file, work, name if i == 0 else f"{name}#{i}", dev, how))
+    runs = {name: done[0] for name, done in repeats.items()}  # the first of each mode: trials compared
     result = {
         "benchmark": "sweep_workers",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -138,6 +156,8 @@ def main(argv=None) -> None:
         "workload": f"synthetic, {args.configs} paper120 configs x {args.steps} steps, pack {args.pack_size}",
         "warmup": warmup,
         "runs": runs,
+        "repeats": {name: done[1:] for name, done in repeats.items()} if args.repeats > 1 else None,
+        "wall_s": {name: [r["wall_s"] for r in done] for name, done in repeats.items()},
         "agreement_with_threads@1": {name: compare(runs["threads@1"], run) for name, run in runs.items()},
     }
     one, many = runs["processes@1"], runs.get(f"processes@{len(gpus)}")
@@ -148,14 +168,23 @@ def main(argv=None) -> None:
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     print(f"\n=== sweep_workers: {result['workload']}, {result.get('gpu') or 'cpu'} x{len(gpus)} ===")
-    print(f"{'mode':14s} {'rc':>3s} {'wall s':>8s} {'trials':>7s} {'loss max rel diff':>18s} {'same value':>11s}")
+    print(f"{'mode':14s} {'rc':>3s} {'wall s':>16s} {'trials':>7s} {'loss max rel diff':>18s} {'same value':>11s}")
     for name, run in runs.items():
         agree = result["agreement_with_threads@1"][name]
         done = sum(t["state"] == "COMPLETE" for t in run.get("trials", []))
         diff = agree.get("final_loss_max_rel_diff")
         diff_text = "-" if diff is None else f"{diff:.2e}"
         same = f"{agree.get('same_value', 0)}/{agree['matched']}"
-        print(f"{name:14s} {run['returncode']:3d} {run['wall_s']:8.1f} {done:7d} {diff_text:>18s} {same:>11s}")
+        walls = " ".join(f"{w:.1f}" for w in result["wall_s"][name])
+        print(f"{name:14s} {run['returncode']:3d} {walls:>16s} {done:7d} {diff_text:>18s} {same:>11s}")
+    for name, done in repeats.items():
+        for run in done:
+            tl = run.get("timeline") or {}
+            if "seconds" in tl:
+                sec = tl["seconds"]
+                print(f"  {name}: startup {sec.get('startup', 0):.1f} s ({fmt(tl['startup_phases'])}), "
+                      f"shutdown {sec.get('shutdown', 0):.1f} s ({fmt(tl['shutdown_phases'])}), "
+                      f"train {sec.get('train', 0):.1f} s")  # fmt: skip
     if "scaling" in result:
         print(f"scaling processes@{len(gpus)} over processes@1: {result['scaling']:.2f}x")
     print(f"json: {path}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import functools
 import logging
 import os
 import signal
@@ -15,11 +16,15 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from plora_hpo.errors import PloraError
 from plora_hpo.local_workers import AWAIT_ARGUMENTS, await_arguments
 from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
 from plora_hpo.trials import TrialInterrupted
+
+if TYPE_CHECKING:
+    from plora_hpo.replica import Replica
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
@@ -204,8 +209,9 @@ def run_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_worker(args: argparse.Namespace) -> int:
-    """Serve a running sweep's study on this machine until its trials are done."""
+def run_worker(args: argparse.Namespace, replica: Replica | None = None) -> int:
+    """Serve a running sweep's study on this machine until its trials are done (with ``replica``:
+    the base model and data a sweep's own worker process loaded while it waited)."""
     from plora_hpo.cluster import SweepWorker
     from plora_hpo.pack_group import GroupFailed
     from plora_hpo.progress import RichPackProgress
@@ -222,6 +228,7 @@ def run_worker(args: argparse.Namespace) -> int:
         heartbeat=args.heartbeat,
         sweep_file=args.sweep_file,
         progress=progress,
+        replica=replica,
     )
     try:
         worker.open()
@@ -329,8 +336,9 @@ def disk_full(err: BaseException) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    replica = None
     if argv == ["worker", AWAIT_ARGUMENTS]:  # a sweep's own worker process, started before its study
-        argv = await_arguments()
+        argv, replica = await_arguments()
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     if not args.verbose:
@@ -343,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         # MLflow's SQL store logs each failed write with its traceback; the tracker reports what
         # did not arrive, and a full disk ends the sweep with one line
         logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
-    handlers = {"sweep": run_sweep, "worker": run_worker, "plan": run_plan, "results": run_results}
+    handlers = {"sweep": run_sweep, "worker": functools.partial(run_worker, replica=replica), "plan": run_plan,
+                "results": run_results}  # fmt: skip
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS} if in_main_thread else {}
     try:
@@ -371,5 +380,24 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
 
 
+def entry(argv: list[str] | None = None) -> NoReturn:
+    """The ``plora-hpo`` command: :func:`main`, then exit without the interpreter's teardown.
+
+    By the time :func:`main` returns, everything the command opened is closed (stores, MLflow
+    runs, files; its own threads are daemons, idle). What Python's exit would still do is free
+    the modules of torch, transformers, lm-eval and MLflow one object at a time: a second or
+    more per process, which a sweep would wait for in each worker process and then in its own.
+    A thread that is not a daemon (a caller's, say) gets the ordinary exit, which waits for it.
+    """
+    code = main(argv)
+    others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    if others:
+        sys.exit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

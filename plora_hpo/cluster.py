@@ -34,10 +34,12 @@ import torch.distributed as dist
 from plora_hpo.config import SweepConfig, load_sweep
 from plora_hpo.errors import PloraError
 from plora_hpo.pack_group import PackChannel, join_group
+from plora_hpo.replica import Replica
 from plora_hpo.run_state import differences
 from plora_hpo.storage import HEARTBEAT_SECONDS, N_TRIALS_ATTR, open_storage
 from plora_hpo.study import PackedObjective, create_study, serve
 from plora_hpo.sweep import PackedSweep, resolve_devices
+from plora_hpo.timeline import phase
 from plora_hpo.tracking import SweepTracker
 from plora_hpo.trials import PackProgress
 
@@ -78,6 +80,8 @@ class SweepWorker:
         heartbeat: seconds between the heartbeats of this worker's trials.
         sweep_file: if given, must hold the study's settings (a worker for the wrong sweep stops).
         progress: front-end hooks.
+        replica: the base model and data this process loaded ahead for the study's settings
+            (:mod:`plora_hpo.local_workers`); loaded anew if the study's settings differ.
     """
 
     def __init__(
@@ -92,8 +96,10 @@ class SweepWorker:
         heartbeat: float = HEARTBEAT_SECONDS,
         sweep_file: str | PathLike[str] | None = None,
         progress: PackProgress | None = None,
+        replica: Replica | None = None,
     ) -> None:
         self.storage_url, self.study_name = storage, study
+        self.replica = replica
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.device, self.data_dir, self.mlflow_uri = device, data_dir, mlflow_uri
         self.heartbeat = heartbeat
@@ -145,10 +151,11 @@ class SweepWorker:
         self.channel = join_group(config.pack.degree, resolve_devices(self.device)[0])
         leads = self.channel is None or self.channel.leads
         if leads:  # a follower only makes its leader's engine calls
-            self.study = create_study(config, task, storage)
-            tracking_uri = self.mlflow_uri or attrs["mlflow_tracking_uri"]
-            self.tracker = SweepTracker(tracking_uri, config.name, artifact_root=run_dir)
-            self.tracker.attach(attrs["mlflow_parent_run_id"])
+            with phase("open-stores"):
+                self.study = create_study(config, task, storage)
+                tracking_uri = self.mlflow_uri or attrs["mlflow_tracking_uri"]
+                self.tracker = SweepTracker(tracking_uri, config.name, artifact_root=run_dir)
+                self.tracker.attach(attrs["mlflow_parent_run_id"])
             self.progress.note(f"{self.label}: serving study {self.study_name} from {self.storage_url}")
         self.sweep = PackedSweep(
             config.model_copy(update={"tasks": [task]}),
@@ -159,7 +166,9 @@ class SweepWorker:
             progress=self.progress,
             label=self.label,
             channel=self.channel,
+            replica=self.replica,
         )
+        self.replica = None  # the sweep holds it now (or dropped it)
         if leads and "eval_documents" not in attrs:
             assert self.study is not None
             self.study.set_user_attr("eval_documents", self.sweep.eval_documents()[task])
@@ -198,17 +207,18 @@ class SweepWorker:
     def close(self) -> None:
         """Stop training (in-flight adapters are checkpointed and their trials re-queued) and
         deliver what this worker logged; the sweep's parent run stays open."""
-        if self.sweep is not None:
-            self.sweep.close()
-        if self.channel is not None:
-            if self.channel.leads:
-                with contextlib.suppress(Exception):  # a follower that is gone needs no stop
-                    self.channel.stop()
-            with contextlib.suppress(Exception):  # a group that failed may not close cleanly
-                dist.destroy_process_group()
-            self.channel = None
-        if self.tracker is not None:
-            self.tracker.finish()
+        with phase("close"):
+            if self.sweep is not None:
+                self.sweep.close()
+            if self.channel is not None:
+                if self.channel.leads:
+                    with contextlib.suppress(Exception):  # a follower that is gone needs no stop
+                        self.channel.stop()
+                with contextlib.suppress(Exception):  # a group that failed may not close cleanly
+                    dist.destroy_process_group()
+                self.channel = None
+            if self.tracker is not None:
+                self.tracker.finish()
 
     def __enter__(self) -> SweepWorker:
         return self.open()

@@ -1,11 +1,14 @@
 """The worker processes ``plora-hpo sweep`` starts on its own machine: one per device.
 
-A worker process spends its first seconds importing torch, transformers, lm-eval and MLflow.
-The sweep starts its workers as soon as it knows its devices, before it checks its inputs and
-opens its stores, so that import overlaps the sweep's own start-up: each process imports, then
+A worker process spends its first seconds importing torch, transformers, lm-eval and MLflow,
+then loading the base model and the task data. The sweep starts its workers as soon as it knows
+its devices, before it checks its inputs and opens its stores, so that this overlaps the
+sweep's own start-up: the sweep writes each process its settings at once (one JSON object on
+stdin), and the process imports, loads its :class:`~plora_hpo.replica.Replica` for them, then
 waits on its stdin for the study to serve (:meth:`LocalWorkers.serve` writes the arguments of
-``plora-hpo worker``, as one JSON list). A sweep that stops before that ends them
-(:meth:`LocalWorkers.stop`); one that dies takes them with it (``PR_SET_PDEATHSIG``).
+``plora-hpo worker``, as one JSON list). Settings the sweep's checks then reject cost nothing
+but the load: a load that fails is dropped, and a sweep that stops before giving a study ends
+its workers (:meth:`LocalWorkers.stop`); one that dies takes them with it (``PR_SET_PDEATHSIG``).
 
 Each process sees only its GPU (``CUDA_VISIBLE_DEVICES``) or, on the CPU, its share of the
 cores; with ``degree`` > 1, each ``degree`` consecutive devices form one tensor-parallel group
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import logging
 import os
 import signal
 import socket
@@ -27,27 +31,57 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from plora_hpo.config import SweepConfig
+    from plora_hpo.replica import Replica
+
+log = logging.getLogger(__name__)
 
 AWAIT_ARGUMENTS = "--await-arguments"
 """``plora-hpo worker --await-arguments``: import first, then read the worker's arguments from stdin."""
+AWAIT_STUDY_PHASE = "await-study"
+"""The timeline's phase of a worker process that loaded ahead and waits for its study."""
 
 
-def await_arguments() -> list[str]:
-    """In a started worker process: import what a worker uses, then wait for its arguments.
+def await_arguments() -> tuple[list[str], Replica | None]:
+    """In a started worker process: import what a worker uses, load the replica for the sweep's
+    settings if it sent them, then wait for the worker's arguments.
 
-    Returns ``plora-hpo worker``'s arguments; exits quietly when the sweep closes stdin first
-    (it stopped before it had a study to give).
+    Returns ``plora-hpo worker``'s arguments and the replica (None without settings, or when
+    loading failed); exits quietly when the sweep closes stdin first (it stopped before it had a
+    study to give).
     """
     import lm_eval.evaluator  # noqa: F401  (the imports this process would make anyway, done while it waits)
     import mlflow.tracking  # noqa: F401
 
     import plora_hpo.cluster
     import plora_hpo.models  # noqa: F401
+    from plora_hpo.timeline import phase
 
     line = sys.stdin.readline()
+    replica = None
+    if line and isinstance(request := json.loads(line), dict):
+        replica = _preload(request)
+        with phase(AWAIT_STUDY_PHASE):
+            line = sys.stdin.readline()
     if not line:
         raise SystemExit(0)
-    return ["worker", *json.loads(line)]
+    return ["worker", *json.loads(line)], replica
+
+
+def _preload(request: dict[str, Any]) -> Replica | None:
+    from plora_hpo.config import SweepConfig
+    from plora_hpo.replica import load_replica
+    from plora_hpo.sweep import resolve_devices
+
+    try:
+        config = SweepConfig.model_validate(request["config"])
+        return load_replica(config, resolve_devices(request["device"])[0], request["data_dir"])
+    except Exception as err:  # the sweep's own checks report bad settings; the study's are loaded later
+        log.info("loading ahead failed (%s: %s); loading once given the study", type(err).__name__, err)
+        return None
 
 
 def _free_port() -> int:
@@ -63,9 +97,25 @@ def _die_with_parent() -> None:
 
 
 class LocalWorkers:
-    """One started ``plora-hpo worker`` process per device of this machine, waiting for a study."""
+    """One started ``plora-hpo worker`` process per device of this machine, waiting for a study.
 
-    def __init__(self, devices: Sequence[str], *, degree: int = 1) -> None:
+    Args:
+        devices: one process per entry (``cuda:N`` or ``cpu``).
+        degree: processes per tensor-parallel group.
+        preload: the settings of the study the processes will serve (one task), for each to load
+            its base model and data while it waits; None (and with ``degree`` > 1, whose groups
+            split the model once formed) to load only when given the study.
+        data_dir: the data directory the study's settings will name (as for ``--data-dir``).
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[str],
+        *,
+        degree: int = 1,
+        preload: SweepConfig | None = None,
+        data_dir: str | None = None,
+    ) -> None:
         from plora_hpo.pack_group import group_environment
 
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -88,10 +138,17 @@ class LocalWorkers:
                 elif "OMP_NUM_THREADS" not in env:
                     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cpu_workers))
                 command = [sys.executable, "-m", "plora_hpo.cli", "worker", AWAIT_ARGUMENTS]
-                self.processes.append(
-                    subprocess.Popen(command, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+                process = subprocess.Popen(
+                    command, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=_die_with_parent
                 )
+                self.processes.append(process)
                 self.devices.append(device)
+                if preload is not None and degree == 1:
+                    request = {"config": preload.model_dump(mode="json"), "device": device, "data_dir": data_dir}
+                    assert process.stdin is not None
+                    with contextlib.suppress(BrokenPipeError):  # one that died at start: serve() finds out
+                        process.stdin.write(json.dumps(request) + "\n")
+                        process.stdin.flush()
         except BaseException:
             self.stop()
             raise

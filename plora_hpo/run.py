@@ -60,6 +60,7 @@ from plora_hpo.study import (
     serve,
 )
 from plora_hpo.sweep import PackedSweep, checkpoint_dir, resolve_devices
+from plora_hpo.timeline import phase
 from plora_hpo.tracking import SweepTracker, default_tracking_uri
 from plora_hpo.trials import PackProgress
 
@@ -169,18 +170,19 @@ class SweepRun:
             )
         self._start_local_workers()  # they import while this process checks and opens the stores
         try:
-            # bad device/model/data/URIs, a changed resume and corrupt checkpoints stop here, read-only
-            check_sweep_inputs(
-                config,
-                run_dir=run_dir,
-                data_dir=self.data_dir,
-                device=self.device,
-                mlflow_uri=self.mlflow_uri,
-                storage=self._storage_given,
-            )
-            saved = check_resumable(run_dir, config, resume=self.resume)
-            for task in config.tasks:
-                CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
+            with phase("check-inputs"):
+                # bad device/model/data/URIs, a changed resume and corrupt checkpoints stop here, read-only
+                check_sweep_inputs(
+                    config,
+                    run_dir=run_dir,
+                    data_dir=self.data_dir,
+                    device=self.device,
+                    mlflow_uri=self.mlflow_uri,
+                    storage=self._storage_given,
+                )
+                saved = check_resumable(run_dir, config, resume=self.resume)
+                for task in config.tasks:
+                    CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
         except BaseException:
             self._stop_local_workers()
             raise
@@ -209,10 +211,11 @@ class SweepRun:
                     device=self.device,
                     progress=self.progress,
                 )
-            self.tracker.check_reachable()
-            self.studies = {
-                task: create_study(config, task, self.storage, heartbeat=self.heartbeat) for task in config.tasks
-            }
+            with phase("open-stores"):
+                self.tracker.check_reachable()
+                self.studies = {
+                    task: create_study(config, task, self.storage, heartbeat=self.heartbeat) for task in config.tasks
+                }
         except BaseException:
             if self.sweep is not None:
                 self.sweep.close()
@@ -233,7 +236,8 @@ class SweepRun:
                 self.eval_documents = self.sweep.eval_documents()
                 for task, documents in self.eval_documents.items():
                     self.studies[task].set_user_attr("eval_documents", documents)
-            self._continue_tracking(saved)
+            with phase("open-stores"):
+                self._continue_tracking(saved)
         except BaseException:
             self.close(status="FAILED")
             raise
@@ -249,7 +253,12 @@ class SweepRun:
             self.processes = len(devices) > 1 or self.config.pack.degree > 1
         self.devices = [str(d) for d in devices]
         if self.processes:
-            self.local_workers = LocalWorkers(self.devices, degree=self.config.pack.degree)
+            self.local_workers = self._local_workers(self.config.tasks[0])
+
+    def _local_workers(self, task: str) -> LocalWorkers:
+        """One process per device, loading the base model and ``task``'s data while it waits."""
+        preload = self.config.model_copy(update={"tasks": [task]})
+        return LocalWorkers(self.devices, degree=self.config.pack.degree, preload=preload, data_dir=self.data_dir)
 
     def _stop_local_workers(self) -> None:
         if self.local_workers is not None:
@@ -307,17 +316,17 @@ class SweepRun:
                 self.progress.add_trials(max(0, target - finished_trials(study)))
                 serve(study, PackedObjective(self.sweep, task), n_trials=target)
             else:  # each worker process shows its own progress
-                self._run_worker_processes(study)
+                self._run_worker_processes(study, task)
         return self.studies
 
-    def _run_worker_processes(self, study: optuna.Study) -> None:
-        """One worker process per device serves ``study``; wait for all of them.
+    def _run_worker_processes(self, study: optuna.Study, task: str) -> None:
+        """One worker process per device serves ``study`` (``task``'s); wait for all of them.
 
         A worker that dies leaves its trials to the others (by heartbeat); the sweep fails only
         when every worker stopped with trials unfinished.
         """
         assert self.tracker is not None
-        workers = self.local_workers or LocalWorkers(self.devices, degree=self.config.pack.degree)
+        workers = self.local_workers or self._local_workers(task)
         self.local_workers = None  # a later task's study gets processes of its own
         procs = workers.serve(
             self.storage,
@@ -355,18 +364,19 @@ class SweepRun:
         if self._closed:
             return
         self._closed = True
-        try:
-            if self.sweep is not None:
-                self.sweep.close()
-                self.pack_segments = self.sweep.pack_segments
-            if self._owner is not None:
-                self._merge_worker_records()
-            if status == "FINISHED" and self.tracker is not None:
-                self._record_summary()
-        finally:
-            if self.tracker is not None:
-                self.tracker.finish(status)
-            self._release()
+        with phase("close"):
+            try:
+                if self.sweep is not None:
+                    self.sweep.close()
+                    self.pack_segments = self.sweep.pack_segments
+                if self._owner is not None:
+                    self._merge_worker_records()
+                if status == "FINISHED" and self.tracker is not None:
+                    self._record_summary()
+            finally:
+                if self.tracker is not None:
+                    self.tracker.finish(status)
+                self._release()
 
     def _merge_worker_records(self) -> None:
         """Add the pack records this run's worker processes have written by now

@@ -24,9 +24,9 @@ from plora_hpo.checkpoints import CheckpointStore
 from plora_hpo.config import SweepConfig
 from plora_hpo.cpu_threads import use_available_cores
 from plora_hpo.errors import ConfigError
+from plora_hpo.replica import Replica, build_eval_tasks, load_base, load_replica, replica_key
 from plora_hpo.reporting import MlflowReporter, NullReporter, PackSegment
-from plora_hpo.resources import DeviceResources, TaskData, device_spec, total_steps
-from plora_hpo.timeline import phase
+from plora_hpo.resources import DeviceResources, device_spec, total_steps
 from plora_hpo.tracking import SweepTracker
 from plora_hpo.trials import PackProgress, TrialInterrupted, TrialOutcome, TrialPool, TrialRequest, TrialTicket
 from plora_hpo.worker import DeviceWorker
@@ -89,6 +89,7 @@ class PackedSweep:
         progress: PackProgress | None = None,
         label: str | None = None,
         channel: PackChannel | None = None,
+        replica: Replica | None = None,
     ) -> None:
         self.config = config
         self.channel = channel
@@ -102,14 +103,11 @@ class PackedSweep:
             raise ConfigError(f"--device {device}: a process of a tensor-parallel group trains on one device")
         if any(d.type == "cpu" for d in self.devices):
             use_available_cores()
-        with phase("load-model"):
-            self.base = self._load_base(self.devices[0])
-        from plora_hpo.tasks import resolve_task
-
-        self.specs = {task: resolve_task(task, config.custom_tasks) for task in config.tasks}
-        first_eval: dict[str, Any] = {}
-        with phase("load-data"):
-            self.tasks = {task: self._load_task(task, first_eval) for task in config.tasks}
+        if replica is None or channel is not None or replica.key != replica_key(config, self.devices[0], data_dir):
+            replica = load_replica(config, self.devices[0], data_dir, sharded=channel is not None)
+        self.base = replica.base
+        self.specs = replica.specs
+        self.tasks = replica.tasks
         self.pool = TrialPool()
         self.reporter: MlflowReporter | NullReporter = (
             NullReporter()
@@ -131,8 +129,8 @@ class PackedSweep:
             resources = DeviceResources(
                 device=dev,
                 name=name,
-                base=self.base if i == 0 else self._load_base(dev),
-                eval_tasks=first_eval if i == 0 else self.build_eval_tasks(),  # lm-eval tasks keep state
+                base=self.base if i == 0 else load_base(config, dev),
+                eval_tasks=replica.eval_tasks if i == 0 else build_eval_tasks(config, self.specs, data_dir),
                 tasks=self.tasks,
                 gpu=device_spec(dev),
             )
@@ -151,57 +149,6 @@ class PackedSweep:
                     channel=channel,
                 )
             )
-
-    # --- loading ------------------------------------------------------------------------------
-    def _load_base(self, device: torch.device) -> Any:
-        from plora_hpo.models import load_base_model
-
-        cfg = self.config
-        dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-        base = load_base_model(cfg.model, dtype=dtype, device=device, seed=cfg.seed)
-        if base.tokenizer is None:
-            raise ConfigError(
-                f"model {cfg.model!r} has no tokenizer (random-init shapes are for benchmarks); "
-                "use 'smollm2-135m', a hub id or a local model directory"
-            )
-        if self.channel is not None:
-            from plora_hpo.engine.tensor_parallel import shard_model
-
-            shard_model(base.model)
-        return base
-
-    def _load_task(self, name: str, eval_tasks: dict[str, Any]) -> TaskData:
-        from plora_hpo.tasks import load_train_examples
-
-        cfg = self.config
-        examples = load_train_examples(
-            self.specs[name],
-            self.base.tokenizer,
-            seq_len=cfg.seq_len,
-            data_dir=self.data_dir,
-            max_examples=cfg.budget.max_train_examples,
-            seed=cfg.seed,
-        )
-        largest_batch = max(cfg.space.batch_size.choices or [cfg.space.batch_size.high])
-        if largest_batch > len(examples):
-            raise ConfigError(
-                f"space.batch_size: {int(largest_batch)} is larger than the {len(examples)} training "
-                f"examples of task {name!r}; lower the batch size or raise budget.max_train_examples"
-            )
-        # built now so missing eval data fails with one clear line; the first worker uses these
-        eval_tasks.update(self.build_eval_tasks([name]))
-        return TaskData(examples=examples, metric=self.specs[name].primary_metric)
-
-    def build_eval_tasks(self, tasks: Sequence[str] | None = None) -> dict[str, Any]:
-        """Fresh lm-eval task objects (they keep per-run state, so each worker gets its own)."""
-        from plora_hpo.tasks import build_eval_tasks
-
-        return {
-            task: build_eval_tasks(
-                self.specs[task], data_dir=self.data_dir, num_fewshot=self.config.evaluation.num_fewshot
-            )
-            for task in (tasks or self.config.tasks)
-        }
 
     # --- what the components are given --------------------------------------------------------
     def total_steps(self, task: str, config: Any) -> int:

@@ -1,17 +1,25 @@
-"""A sweep's own worker processes: started before their study, ended when the sweep stops first."""
+"""A sweep's own worker processes: started before their study, loading ahead for it, ended when the
+sweep stops first."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import optuna
 import pytest
+import torch
 
 from plora_hpo import run as run_module
-from plora_hpo.config import load_sweep
+from plora_hpo.cli import main
+from plora_hpo.config import SweepConfig, load_sweep
 from plora_hpo.errors import PloraError
-from plora_hpo.local_workers import AWAIT_ARGUMENTS, LocalWorkers
+from plora_hpo.local_workers import AWAIT_ARGUMENTS, AWAIT_STUDY_PHASE, LocalWorkers
+from plora_hpo.replica import load_replica, replica_key
 from plora_hpo.run import SweepRun
+from plora_hpo.sweep import PackedSweep
+from plora_hpo.timeline import ENV
 
 from .test_sweep_e2e import small_sweep
 
@@ -58,3 +66,46 @@ def test_a_sweep_that_fails_its_checks_leaves_no_worker_process(tmp_path, monkey
     [workers] = started
     assert len(workers.processes) == 2 and all(p.poll() is not None for p in workers.processes)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_worker_process_loads_its_model_and_data_once_ahead_of_its_study(tmp_path, monkeypatch):
+    """The process loads while the sweep opens its stores, and serves the study with that load."""
+    timeline = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(ENV, str(timeline))  # inherited by the worker process
+    run_dir = tmp_path / "runs"
+    argv = ["sweep", str(small_sweep(tmp_path)), "--run-dir", str(run_dir), "--device", "cpu", "--workers", "processes"]
+    assert main(argv) == 0
+    study = optuna.load_study(study_name="e2e-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 4
+    events = [json.loads(line) for line in timeline.read_text().splitlines()]
+    phases = {e["phase"]: e for e in events}
+    assert [e["phase"] for e in events].count("load-model") == 1  # not again once given the study
+    assert [e["phase"] for e in events].count("load-data") == 1
+    assert phases["load-model"]["end"] <= phases["load-data"]["end"] <= phases[AWAIT_STUDY_PHASE]["start"]
+
+
+def test_a_replica_serves_only_the_settings_it_was_loaded_for(tmp_path):
+    """What a worker process loads ahead (its settings sent as JSON) matches the study's settings
+    (read back from the study's attributes, narrowed to its task) key for key; other settings load anew."""
+    config = load_sweep(small_sweep(tmp_path))
+    sent = SweepConfig.model_validate(
+        json.loads(json.dumps(config.model_copy(update={"tasks": ["synthetic"]}).model_dump(mode="json")))
+    )
+    from_study = SweepConfig.model_validate(json.loads(json.dumps(config.model_dump(mode="json"))))
+    from_study = from_study.model_copy(update={"tasks": ["synthetic"]})
+    cpu, data_dir = torch.device("cpu"), tmp_path / "data"
+    assert replica_key(sent, cpu, str(data_dir)) == replica_key(from_study, cpu, str(data_dir))
+
+    replica = load_replica(sent, cpu, str(data_dir))
+    run_dir = tmp_path / "runs"
+    with PackedSweep(
+        from_study, tracker=None, run_dir=run_dir, data_dir=str(data_dir), device="cpu", replica=replica
+    ) as sweep:
+        assert sweep.base is replica.base and sweep.tasks is replica.tasks
+    other_seed = from_study.model_copy(update={"seed": from_study.seed + 1})
+    with PackedSweep(
+        other_seed, tracker=None, run_dir=run_dir, data_dir=str(data_dir), device="cpu", replica=replica
+    ) as sweep:
+        assert sweep.base is not replica.base
+    with PackedSweep(from_study, tracker=None, run_dir=run_dir, data_dir=None, device="cpu", replica=replica) as sweep:
+        assert sweep.base is not replica.base  # another data directory

@@ -163,8 +163,8 @@ class PackedTrainer:
             step, and AdamW / gradient norms / clipping on K flat tensors; see
             :mod:`plora_hpo.engine.packed_lora`). Off: per-layer parameters, per-call casts.
         loss_chunk_tokens: rows per LM-head chunk of the loss.
-        prefetch: build the next step's batches at the end of each step, while the GPU runs the
-            update (given back to their streams if the pack's membership changes first).
+        prefetch: build the next step's batches during each step, while the GPU computes (given
+            back to their streams if the pack's membership changes first, a failing adapter's too).
 
     Tensor parallelism (a model split by :func:`~plora_hpo.engine.tensor_parallel.shard_model`):
     every rank of the group builds its own trainer the same way, adds and removes the same jobs
@@ -320,9 +320,10 @@ class PackedTrainer:
         )
 
     def _prefetch(self) -> None:
-        """Build the next step's batches now, for the adapters that go on, so the host does it
-        while the GPU runs the update instead of the GPU waiting for it at the next step."""
-        ids = tuple(a for a in self.active if not self.is_done(a))
+        """Build the next step's batches now, during this step (before its results are read back),
+        for the adapters that go on after it, so the host does it while the GPU computes instead
+        of the GPU waiting for it at the next step."""
+        ids = tuple(a for a in self.active if self.steps_done[a] + 1 < self.jobs[a].total_steps)
         if self.prefetch and ids:
             positions = {a: self.streams[a].position() for a in ids}
             self._prefetched = _Prefetched(ids, positions, self._build_micro_batches(ids))
@@ -476,6 +477,7 @@ class PackedTrainer:
             else:
                 norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
             norms.append(norm.reshape(()).to(device=self.device, dtype=torch.float32))
+        self._prefetch()  # host work while the GPU finishes this step's backward pass
         # The step's one device→host read, before the update: a non-finite adapter must leave
         # the pack before optimizer.step() touches its weights or AdamW state.
         grad_norms = dict(zip([g["adapter_id"] for g in self.optimizer.param_groups], norms))
@@ -510,10 +512,9 @@ class PackedTrainer:
                     fail_reason=failures.get(adapter_id),
                 )
             )
-        # No synchronisation here: the host builds the next step's batches while the GPU runs
-        # the update. The losses' read above paces the host to at most one step ahead, so a
-        # step's seconds (start to that read, plus the launches after it) sum to a run's time.
-        self._prefetch()
+        # No synchronisation here: the GPU runs the update while the host returns. The losses'
+        # read above paces the host to at most one step ahead, so a step's seconds (start to
+        # that read, plus the launches after it) sum to a run's time.
         self._account(micro_batches, time.perf_counter() - started)
         return reports
 
