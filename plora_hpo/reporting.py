@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,6 +25,12 @@ if TYPE_CHECKING:
     from plora_hpo.tracking import SweepTracker
 
 log = logging.getLogger(__name__)
+
+LIVE_SHARE = 0.01
+"""The largest share of a process's time that delivering live loss curves may take. Delivery is
+Python on the process's own interpreter, so each second of it is about a second the training loop
+waits for the interpreter lock; past this share a live update is skipped (a later one, or the
+run's last report, logs the steps it held)."""
 
 
 class TrialRecord(Protocol):
@@ -155,6 +162,7 @@ class MlflowReporter(_SegmentLog):
         tracker: the sweep's tracker (parent run started).
         trial_params: a trial's MLflow params (its config and the sweep settings that shape it).
         primary_metric: a task's objective key in lm-eval's results (default: the built-in task's).
+        clock: seconds, for the live curves' share of time (:data:`LIVE_SHARE`).
     """
 
     def __init__(
@@ -162,8 +170,12 @@ class MlflowReporter(_SegmentLog):
         tracker: SweepTracker,
         trial_params: Callable[[TrialRequest], dict[str, Any]],
         primary_metric: Callable[[str], str] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         super().__init__()
+        self._clock = clock
+        self._live_since = clock()
+        self._live_seconds = 0.0  # spent delivering live curves so far
         self.tracker = tracker
         self.trial_params = trial_params
         self.primary_metric = primary_metric or _builtin_primary
@@ -206,6 +218,9 @@ class MlflowReporter(_SegmentLog):
 
     def trial_progress(self, record: TrialRecord) -> None:
         with self._live_changed:
+            over_share = self._live_seconds > LIVE_SHARE * (self._clock() - self._live_since)
+            if over_share and record.run_id not in self._live:
+                return  # replacing a waiting curve costs nothing; sending one more would
             self._live[record.run_id] = list(record.curve)  # replaces an older curve not yet sent
             self._live_changed.notify_all()
 
@@ -219,12 +234,14 @@ class MlflowReporter(_SegmentLog):
                 run_id = next(iter(self._live))
                 curve = self._live.pop(run_id)
                 self._live_sending = run_id
+            started = self._clock()
             try:
                 self._log(run_id, curve_rows(curve), done=False)
             except Exception as err:  # a live view only: the run's last report logs the whole curve
                 log.warning("the live loss curve of MLflow run %s was not logged: %s", run_id, first_line(err))
             finally:
                 with self._live_changed:
+                    self._live_seconds += self._clock() - started
                     self._live_sending = None
                     self._live_changed.notify_all()
 

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.engine import PackStats
-from plora_hpo.reporting import MlflowReporter
+from plora_hpo.reporting import LIVE_SHARE, MlflowReporter
 from plora_hpo.tracking import SweepTracker, default_tracking_uri
 from plora_hpo.trials import TrialRequest
 
@@ -95,3 +95,49 @@ def test_live_curves_leave_the_training_thread_and_a_finished_run_waits_for_one_
     tracker.flush()
     assert [m.step for m in client.get_metric_history(record.run_id, "train_loss")] == [1, 2, 3, 4]
     assert client.get_run(record.run_id).info.status == "FINISHED"
+
+
+def test_live_curves_keep_to_their_share_of_the_process_time(tmp_path: Path):
+    """A store that takes 1 s per live curve: after one, live updates wait until that second is at
+    most LIVE_SHARE of the process's time; the run's last report still logs every step."""
+    now = [0.0]
+    tracker = SweepTracker(default_tracking_uri(tmp_path), "share", artifact_root=tmp_path)
+    tracker.start("share", {})
+    reporter = MlflowReporter(tracker, lambda request: {"rank": request.config.rank}, clock=lambda: now[0])
+    request = TrialRequest("synthetic", 0, AdapterConfig(16, 16.0, 2e-4, 2))
+    record = _Record(request, reporter.trial_started(request, None, "pack-0"))
+    client = MlflowClient(tracker.tracking_uri)
+    log_metrics = tracker.log_metrics
+
+    def slow_store(run_id, rows):  # the fault: each call takes a second of the reporter's clock
+        now[0] += 1.0
+        log_metrics(run_id, rows)
+
+    tracker.log_metrics = slow_store
+
+    def steps() -> list[int]:
+        reporter.flush()
+        tracker.flush()
+        return [m.step for m in client.get_metric_history(record.run_id, "train_loss")]
+
+    record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2)]
+    reporter.trial_progress(record)
+    assert steps() == [1, 2]
+    record.curve.append((3, 2.7, 2e-4))
+    now[0] = 1.0 / LIVE_SHARE - 1.0  # 1 s spent of 99 s: over the share
+    reporter.trial_progress(record)
+    assert steps() == [1, 2]
+    now[0] = 1.0 / LIVE_SHARE + 1.0  # 1 s of 101 s: within it again
+    reporter.trial_progress(record)
+    assert steps() == [1, 2, 3]
+
+    record.curve.append((4, 2.6, 2e-4))
+    now[0] += 1.0  # 2 s spent of 103 s: over the share, but the last report logs every step
+    reporter.trial_progress(record)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    reporter.trial_completed(record, "pack-0", {"acc,none": 0.5}, adapter, PackStats())
+    reporter.close()
+    tracker.finish()
+    assert steps() == [1, 2, 3, 4]
