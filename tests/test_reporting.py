@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,15 +26,25 @@ class _Record:
     resumed_from: int = 0
 
 
-def _one_trial(tmp_path: Path) -> tuple[SweepTracker, MlflowReporter, _Record, MlflowClient]:
+def _one_trial(
+    tmp_path: Path, clock: Callable[[], float] = time.monotonic
+) -> tuple[SweepTracker, MlflowReporter, _Record, MlflowClient]:
     """A parent run on a real sqlite store, a reporter and one started trial run."""
     tracker = SweepTracker(default_tracking_uri(tmp_path), "live", artifact_root=tmp_path)
     tracker.start("live", {})
-    reporter = MlflowReporter(tracker, lambda request: {"rank": request.config.rank})
+    reporter = MlflowReporter(tracker, lambda request: {"rank": request.config.rank}, clock=clock)
     request = TrialRequest("synthetic", 0, AdapterConfig(16, 16.0, 2e-4, 2))
     record = _Record(request, reporter.trial_started(request, None, "pack-0"))
     client = MlflowClient(tracker.tracking_uri)
     return tracker, reporter, record, client
+
+
+def _adapter(tmp_path: Path) -> Path:
+    """A folder for a finished trial's adapter."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    return adapter
 
 
 def test_curve_is_live_while_training_and_logged_once(tmp_path: Path):
@@ -48,10 +60,7 @@ def test_curve_is_live_while_training_and_logged_once(tmp_path: Path):
     record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (4, 5)]
     reporter.trial_progress(record)
     record.curve.append((6, 2.4, 2e-4))
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text("{}")
-    reporter.trial_completed(record, "pack-0", {"acc,none": 0.5}, adapter, PackStats())
+    reporter.trial_completed(record, "pack-0", {"acc,none": 0.5}, _adapter(tmp_path), PackStats())
     tracker.finish()
     tracker.flush()
     assert [m.step for m in client.get_metric_history(record.run_id, "train_loss")] == [1, 2, 3, 4, 5, 6]
@@ -79,11 +88,8 @@ def test_live_curves_leave_the_training_thread_and_a_finished_run_waits_for_one_
     assert senders == ["mlflow-live-curves"]
 
     record.curve.append((4, 2.6, 2e-4))
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text("{}")
     finisher = threading.Thread(
-        target=reporter.trial_completed, args=(record, "pack-0", {"acc,none": 0.5}, adapter, PackStats())
+        target=reporter.trial_completed, args=(record, "pack-0", {"acc,none": 0.5}, _adapter(tmp_path), PackStats())
     )
     finisher.start()
     finisher.join(0.5)
@@ -101,12 +107,7 @@ def test_live_curves_keep_to_their_share_of_the_process_time(tmp_path: Path):
     """A store that takes 1 s per live curve: after one, live updates wait until that second is at
     most LIVE_SHARE of the process's time; the run's last report still logs every step."""
     now = [0.0]
-    tracker = SweepTracker(default_tracking_uri(tmp_path), "share", artifact_root=tmp_path)
-    tracker.start("share", {})
-    reporter = MlflowReporter(tracker, lambda request: {"rank": request.config.rank}, clock=lambda: now[0])
-    request = TrialRequest("synthetic", 0, AdapterConfig(16, 16.0, 2e-4, 2))
-    record = _Record(request, reporter.trial_started(request, None, "pack-0"))
-    client = MlflowClient(tracker.tracking_uri)
+    tracker, reporter, record, client = _one_trial(tmp_path, clock=lambda: now[0])
     log_metrics = tracker.log_metrics
 
     def slow_store(run_id, rows):  # the fault: each call takes a second of the reporter's clock
@@ -134,10 +135,7 @@ def test_live_curves_keep_to_their_share_of_the_process_time(tmp_path: Path):
     record.curve.append((4, 2.6, 2e-4))
     now[0] += 1.0  # 2 s spent of 103 s: over the share, but the last report logs every step
     reporter.trial_progress(record)
-    adapter = tmp_path / "adapter"
-    adapter.mkdir()
-    (adapter / "adapter_config.json").write_text("{}")
-    reporter.trial_completed(record, "pack-0", {"acc,none": 0.5}, adapter, PackStats())
+    reporter.trial_completed(record, "pack-0", {"acc,none": 0.5}, _adapter(tmp_path), PackStats())
     reporter.close()
     tracker.finish()
     assert steps() == [1, 2, 3, 4]
