@@ -13,7 +13,6 @@ Boundary: loading; how the parts are used is the recipe's and the workers'.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -73,14 +72,12 @@ def load_base(config: SweepConfig, device: torch.device, *, sharded: bool = Fals
     return base
 
 
-def build_eval_tasks(
-    config: SweepConfig, specs: dict[str, TaskSpec], data_dir: str | None, tasks: Sequence[str] | None = None
-) -> dict[str, Any]:
-    """Fresh lm-eval task objects for ``tasks`` (default: all the sweep's)."""
-    from plora_hpo.tasks import build_eval_tasks as build
+def fresh_eval_tasks(config: SweepConfig, specs: dict[str, TaskSpec], data_dir: str | None) -> dict[str, Any]:
+    """Fresh lm-eval task objects for every task of the sweep (they keep per-run state: one set per device)."""
+    from plora_hpo.tasks import build_eval_tasks
 
     num_fewshot = config.evaluation.num_fewshot
-    return {task: build(specs[task], data_dir=data_dir, num_fewshot=num_fewshot) for task in tasks or config.tasks}
+    return {task: build_eval_tasks(specs[task], data_dir=data_dir, num_fewshot=num_fewshot) for task in config.tasks}
 
 
 def load_replica(config: SweepConfig, device: torch.device, data_dir: str | None, *, sharded: bool = False) -> Replica:
@@ -111,5 +108,5 @@ def load_replica(config: SweepConfig, device: torch.device, data_dir: str | None
                 )
             tasks[name] = TaskData(examples=examples, metric=specs[name].primary_metric)
         # built now so that missing evaluation data fails with one clear line
-        eval_tasks = build_eval_tasks(config, specs, data_dir)
+        eval_tasks = fresh_eval_tasks(config, specs, data_dir)
     return Replica(replica_key(config, device, data_dir), base, specs, tasks, eval_tasks)

@@ -24,7 +24,7 @@ from plora_hpo.checkpoints import CheckpointStore
 from plora_hpo.config import SweepConfig
 from plora_hpo.cpu_threads import use_available_cores
 from plora_hpo.errors import ConfigError
-from plora_hpo.replica import Replica, build_eval_tasks, load_base, load_replica, replica_key
+from plora_hpo.replica import Replica, fresh_eval_tasks, load_base, load_replica, replica_key
 from plora_hpo.reporting import MlflowReporter, NullReporter, PackSegment
 from plora_hpo.resources import DeviceResources, device_spec, total_steps
 from plora_hpo.tracking import SweepTracker
@@ -130,7 +130,7 @@ class PackedSweep:
                 device=dev,
                 name=name,
                 base=self.base if i == 0 else load_base(config, dev),
-                eval_tasks=replica.eval_tasks if i == 0 else build_eval_tasks(config, self.specs, data_dir),
+                eval_tasks=replica.eval_tasks if i == 0 else fresh_eval_tasks(config, self.specs, data_dir),
                 tasks=self.tasks,
                 gpu=device_spec(dev),
             )
