@@ -16,6 +16,8 @@ most adapters: same configs, model, data and trainer options) on the packed engi
 ``benchmarks/throughput.py`` times a pack, and compares its step time with the one the sweep kept
 for that pack (step start to step start, so the worker's work between steps counts): the
 sweep's per-step overhead (checkpoint pacing and copies, MLflow, progress, data) as one ratio.
+On a GPU it then profiles a few more of those steps (``torch.profiler``): the share of their span
+with a kernel or copy running, and the gaps summed by what the host was doing meanwhile.
 
 The baselines take longer than one device call allows for 32 configs, so they run a subset of the
 sweep's configs (spread over batch sizes and ranks) and the JSON says which numbers are measured

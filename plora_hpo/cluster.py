@@ -168,7 +168,7 @@ class SweepWorker:
             channel=self.channel,
             replica=self.replica,
         )
-        self.replica = None  # the sweep holds it now (or dropped it)
+        self.replica = None  # handed to the sweep
         if leads and "eval_documents" not in attrs:
             assert self.study is not None
             self.study.set_user_attr("eval_documents", self.sweep.eval_documents()[task])

@@ -72,6 +72,7 @@ def await_arguments() -> tuple[list[str], Replica | None]:
 
 
 def _preload(request: dict[str, Any]) -> Replica | None:
+    """The replica for the settings the sweep wrote (``config``, ``device``, ``data_dir``), or None."""
     from plora_hpo.config import SweepConfig
     from plora_hpo.replica import load_replica
     from plora_hpo.sweep import resolve_devices
