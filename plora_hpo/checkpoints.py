@@ -11,8 +11,6 @@ from __future__ import annotations
 import errno
 import os
 import shutil
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -85,34 +83,6 @@ class CheckpointStore:
         for path in paths:
             read_checkpoint(path)
         return len(paths)
-
-
-class CheckpointPacer:
-    """Keeps the time a device spends writing checkpoints under a share of its wall time.
-
-    Sizes are in LoRA parameters (what a save writes is proportional to them). The cost of the
-    next save is predicted from the seconds per parameter of the saves so far (the first save is
-    always written: it is the measurement). A save that would push the total
-    above ``share`` of the time since the device started is skipped; the next due one is
-    considered again.
-    """
-
-    def __init__(self, share: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self.share = share
-        self.clock = clock
-        self.started = clock()
-        self.spent = 0.0
-        self.written = 0
-
-    def affordable(self, size: int) -> bool:
-        if self.written == 0:
-            return True
-        predicted = self.spent * size / self.written
-        return self.spent + predicted <= self.share * (self.clock() - self.started)
-
-    def record(self, size: int, seconds: float) -> None:
-        self.spent += seconds
-        self.written += max(1, size)
 
 
 def read_checkpoint(path: Path) -> tuple[AdapterState, dict[str, str]]:

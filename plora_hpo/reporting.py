@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from plora_hpo.errors import first_line
+from plora_hpo.pacing import SharePacer
 from plora_hpo.trials import TrialRequest
 
 if TYPE_CHECKING:
@@ -28,9 +29,9 @@ log = logging.getLogger(__name__)
 
 LIVE_SHARE = 0.01
 """The largest share of a process's time that delivering live loss curves may take. Delivery is
-Python on the process's own interpreter, so each second of it is about a second the training loop
-waits for the interpreter lock; past this share a live update is skipped (a later one, or the
-run's last report, logs the steps it held)."""
+Python on the process's own interpreter, and the training loop waits for the interpreter lock
+while it runs; a live update that would exceed this share is skipped (a later one, or the run's
+last report, logs the steps it held)."""
 
 
 class TrialRecord(Protocol):
@@ -174,8 +175,7 @@ class MlflowReporter(_SegmentLog):
     ) -> None:
         super().__init__()
         self._clock = clock
-        self._live_since = clock()
-        self._live_seconds = 0.0  # spent delivering live curves so far
+        self._live_pacer = SharePacer(LIVE_SHARE, clock)  # one unit per curve sent
         self.tracker = tracker
         self.trial_params = trial_params
         self.primary_metric = primary_metric or _builtin_primary
@@ -218,8 +218,7 @@ class MlflowReporter(_SegmentLog):
 
     def trial_progress(self, record: TrialRecord) -> None:
         with self._live_changed:
-            over_share = self._live_seconds > LIVE_SHARE * (self._clock() - self._live_since)
-            if over_share and record.run_id not in self._live:
+            if record.run_id not in self._live and not self._live_pacer.affordable(1):
                 return  # replacing a waiting curve costs nothing; sending one more would
             self._live[record.run_id] = list(record.curve)  # replaces an older curve not yet sent
             self._live_changed.notify_all()
@@ -241,7 +240,7 @@ class MlflowReporter(_SegmentLog):
                 log.warning("the live loss curve of MLflow run %s was not logged: %s", run_id, first_line(err))
             finally:
                 with self._live_changed:
-                    self._live_seconds += self._clock() - started
+                    self._live_pacer.record(1, self._clock() - started)
                     self._live_sending = None
                     self._live_changed.notify_all()
 

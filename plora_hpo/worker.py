@@ -42,11 +42,12 @@ import torch
 
 from plora_hpo.admission import AdmissionPolicy, Candidate, Room
 from plora_hpo.checkpoint_writer import CheckpointWriter
-from plora_hpo.checkpoints import CheckpointPacer, NoSpaceLeft
+from plora_hpo.checkpoints import NoSpaceLeft
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import export_peft_adapter
 from plora_hpo.errors import CheckpointError, first_line
+from plora_hpo.pacing import SharePacer
 from plora_hpo.pack_group import STOP, GroupFailed
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps, usable_memory_bytes
@@ -169,7 +170,7 @@ class DeviceWorker:
             self.gpu,
             load_calibration(shape_name, self.gpu.name) if shape_name else None,
         )
-        self.pacer = CheckpointPacer(config.train.checkpoint_overhead)
+        self.pacer = SharePacer(config.train.checkpoint_overhead)  # checkpoint saves, sized in LoRA parameters
         self.writer = CheckpointWriter(f"plora-{self.name}")
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         self.parked: deque[tuple[TrialTicket, AdapterState | None]] = deque()  # waiting to (re)join

@@ -103,15 +103,14 @@ def test_live_curves_leave_the_training_thread_and_a_finished_run_waits_for_one_
     assert client.get_run(record.run_id).info.status == "FINISHED"
 
 
-def test_live_curves_keep_to_their_share_of_the_process_time(tmp_path: Path):
-    """A store that takes 1 s per live curve: after one, live updates wait until that second is at
-    most LIVE_SHARE of the process's time; the run's last report still logs every step."""
-    now = [0.0]
-    tracker, reporter, record, client = _one_trial(tmp_path, clock=lambda: now[0])
+def test_live_curves_keep_to_their_share_of_the_process_time(tmp_path: Path, clock):
+    """A store that takes 1 s per live curve: after one, a live update waits until it and the ones
+    sent so far fit in LIVE_SHARE of the process's time; the run's last report logs every step."""
+    tracker, reporter, record, client = _one_trial(tmp_path, clock=clock)
     log_metrics = tracker.log_metrics
 
     def slow_store(run_id, rows):  # the fault: each call takes a second of the reporter's clock
-        now[0] += 1.0
+        clock.now += 1.0
         log_metrics(run_id, rows)
 
     tracker.log_metrics = slow_store
@@ -125,15 +124,15 @@ def test_live_curves_keep_to_their_share_of_the_process_time(tmp_path: Path):
     reporter.trial_progress(record)
     assert steps() == [1, 2]
     record.curve.append((3, 2.7, 2e-4))
-    now[0] = 1.0 / LIVE_SHARE - 1.0  # 1 s spent of 99 s: over the share
+    clock.now = 2.0 / LIVE_SHARE - 1.0  # 1 s spent and 1 s more would be 2 s of 199 s: over the share
     reporter.trial_progress(record)
     assert steps() == [1, 2]
-    now[0] = 1.0 / LIVE_SHARE + 1.0  # 1 s of 101 s: within it again
+    clock.now = 2.0 / LIVE_SHARE + 1.0  # 2 s of 201 s: within it
     reporter.trial_progress(record)
     assert steps() == [1, 2, 3]
 
     record.curve.append((4, 2.6, 2e-4))
-    now[0] += 1.0  # 2 s spent of 103 s: over the share, but the last report logs every step
+    clock.now += 1.0  # 3 s of 203 s would be over the share, but the last report logs every step
     reporter.trial_progress(record)
     reporter.trial_completed(record, "pack-0", {"acc,none": 0.5}, _adapter(tmp_path), PackStats())
     reporter.close()

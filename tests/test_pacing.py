@@ -1,10 +1,10 @@
-"""CheckpointPacer: the share of a device's time that checkpoint writes may take."""
+"""SharePacer: the share of wall time a side job (checkpoint saves, live curves) may take."""
 
-from plora_hpo.checkpoints import CheckpointPacer
+from plora_hpo.pacing import SharePacer
 
 
 def test_first_save_is_the_measurement_then_saves_wait_for_their_share(clock):
-    pacer = CheckpointPacer(0.1, clock=clock)
+    pacer = SharePacer(0.1, clock=clock)
     assert pacer.affordable(1_000_000)  # nothing measured yet
     clock.now += 10
     pacer.record(1_000_000, 2.0)  # 2 s per million parameters
@@ -19,7 +19,7 @@ def test_first_save_is_the_measurement_then_saves_wait_for_their_share(clock):
 
 
 def test_cheap_saves_are_always_affordable(clock):
-    pacer = CheckpointPacer(0.1, clock=clock)
+    pacer = SharePacer(0.1, clock=clock)
     for _ in range(20):
         clock.now += 5.0
         assert pacer.affordable(10_000)
