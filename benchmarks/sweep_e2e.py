@@ -290,7 +290,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
     loading = [e for e in events if e["thread"] == "MainThread"]  # the sweep's processes' own threads
-    events = [e for e in events if e["thread"].startswith("plora-") and e not in background]
+    events = [e for e in events if e["thread"].startswith("plora-") and not e["thread"].endswith("-checkpoints")]
     if not events:
         return {"note": "no timeline events (PLORA_HPO_TIMELINE not honoured?)"}
     bounds = sorted({e["start"] for e in events} | {e["end"] for e in events})
@@ -300,10 +300,10 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         active = [e for e in events if e["start"] <= mid < e["end"]]
         name = min(active, key=lambda e: e["end"] - e["start"])["phase"] if active else "loop"
         seconds[name] = seconds.get(name, 0.0) + (b - a)
-    seconds["startup"] = bounds[0] - start
+    first = bounds[0]
+    seconds["startup"] = first - start
     seconds["shutdown"] = end - bounds[-1]
     wall = end - start
-    first = bounds[0]
 
     def totals(spans: list[dict]) -> dict[str, float]:
         return {
