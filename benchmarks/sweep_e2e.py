@@ -34,8 +34,11 @@ data folder)::
     python3 benchmarks/sweep_e2e.py --data-dir .device_data --tokenizer .whl/tokenizer 2>&1 | tee $OUT/log.txt
 
 (filter its output only with ``grep --line-buffered``: a block-buffered pipe loses everything if the
-call is cut short). The sweep's own log and its phase timeline are written under ``$OUT`` as they
-happen, so a cut-short call still returns them.
+call is cut short). Wheels installed with ``pip install --no-compile`` leave their bytecode to the
+first process that imports them, which is then the sweep: compile it first (``python3 -m
+compileall -q <site dir>``), as a plain ``pip install`` does, or the start-up measured includes it.
+The sweep's own log and its phase timeline are written under ``$OUT`` as they happen, so a
+cut-short call still returns them.
 
 CPU smoke run (a tiny random model, a few steps, every code path)::
 
