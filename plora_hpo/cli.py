@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from plora_hpo.errors import PloraError
-from plora_hpo.local_workers import AWAIT_ARGUMENTS, await_arguments
+from plora_hpo.local_workers import AWAIT_ARGUMENTS, LocalWorkers, await_arguments
 from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
 from plora_hpo.trials import TrialInterrupted
 
 if TYPE_CHECKING:
+    from plora_hpo.config import SweepConfig
     from plora_hpo.replica import Replica
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -149,26 +150,35 @@ def run_sweep(args: argparse.Namespace) -> int:
     """Run the sweep file in its run directory (resuming what an earlier process left), then print
     the summary."""
     from plora_hpo.config import load_sweep
-    from plora_hpo.progress import RichPackProgress
-    from plora_hpo.report import print_summary
-    from plora_hpo.run import SweepRun
 
     preemption = Preemption().install()
     config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
-    progress = RichPackProgress()
-    run = SweepRun(
-        config,
-        run_dir=args.run_dir,
-        storage=args.storage,
-        mlflow_uri=args.mlflow_uri,
-        data_dir=args.data_dir,
-        device=args.device,
-        resume=args.resume,
-        progress=progress,
-        sweep_file=args.file,
-        heartbeat=args.heartbeat,
-        processes=None if args.workers is None else args.workers == "processes",
-    )
+    processes = None if args.workers is None else args.workers == "processes"
+    workers = start_workers_ahead(config, args.device, processes, args.data_dir)
+    try:
+        from plora_hpo.progress import RichPackProgress
+        from plora_hpo.report import print_summary
+        from plora_hpo.run import SweepRun
+
+        progress = RichPackProgress()
+        run = SweepRun(
+            config,
+            run_dir=args.run_dir,
+            storage=args.storage,
+            mlflow_uri=args.mlflow_uri,
+            data_dir=args.data_dir,
+            device=args.device,
+            resume=args.resume,
+            progress=progress,
+            sweep_file=args.file,
+            heartbeat=args.heartbeat,
+            processes=processes,
+            local_workers=workers,
+        )
+    except BaseException:
+        if workers is not None:
+            workers.stop()
+        raise
     run.open()  # refusals (bad input, a live owner, a changed resume) print one line, no progress bars
     preemption.stop = run.interrupt
     with progress:
@@ -207,6 +217,21 @@ def run_sweep(args: argparse.Namespace) -> int:
     if note is not None:
         print(note)
     return 0
+
+
+def start_workers_ahead(
+    config: SweepConfig, device: str | None, processes: bool | None, data_dir: str | None
+) -> LocalWorkers | None:
+    """The sweep's worker processes for its first task, started before this process imports the
+    rest of what a sweep uses, so that they import and load while it does; None when it trains
+    in threads here, or its devices are bad (its input checks say so)."""
+    from plora_hpo.devices import sweep_devices
+
+    try:
+        devices, in_processes = sweep_devices(device, processes, config.pack.degree)
+    except PloraError:
+        return None
+    return LocalWorkers.for_task(config, config.tasks[0], devices, data_dir=data_dir) if in_processes else None
 
 
 def run_worker(args: argparse.Namespace, replica: Replica | None = None) -> int:

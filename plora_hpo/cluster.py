@@ -32,13 +32,14 @@ import optuna
 import torch.distributed as dist
 
 from plora_hpo.config import SweepConfig, load_sweep
+from plora_hpo.devices import resolve_devices
 from plora_hpo.errors import PloraError
 from plora_hpo.pack_group import PackChannel, join_group
 from plora_hpo.replica import Replica
 from plora_hpo.run_state import differences
 from plora_hpo.storage import HEARTBEAT_SECONDS, N_TRIALS_ATTR, open_storage
 from plora_hpo.study import PackedObjective, create_study, serve
-from plora_hpo.sweep import PackedSweep, resolve_devices
+from plora_hpo.sweep import PackedSweep
 from plora_hpo.timeline import phase
 from plora_hpo.tracking import SweepTracker
 from plora_hpo.trials import PackProgress

@@ -2,13 +2,15 @@
 
 A worker process spends its first seconds importing torch, transformers, lm-eval and MLflow,
 then loading the base model and the task data. The sweep starts its workers as soon as it knows
-its devices, before it checks its inputs and opens its stores, so that this overlaps the
-sweep's own start-up: the sweep writes each process its settings at once (one JSON object on
-stdin), and the process imports, loads its :class:`~plora_hpo.replica.Replica` for them, then
-waits on its stdin for the study to serve (:meth:`LocalWorkers.serve` writes the arguments of
-``plora-hpo worker``, as one JSON list). Settings the sweep's checks then reject cost nothing
-but the load: a load that fails is dropped, and a sweep that stops before giving a study ends
-its workers (:meth:`LocalWorkers.stop`); one that dies takes them with it (``PR_SET_PDEATHSIG``).
+its devices (the CLI: with only torch and the sweep file's settings imported), before it imports
+the rest, checks its inputs and opens its stores, so that this overlaps the sweep's own
+start-up: the sweep writes each process its settings at once (one JSON object on stdin), and the
+process imports, loads its :class:`~plora_hpo.replica.Replica` for them, imports what opening
+the stores will need, then waits on its stdin for the study to serve
+(:meth:`LocalWorkers.serve` writes the arguments of ``plora-hpo worker``, as one JSON list).
+Settings the sweep's checks then reject cost nothing but the load: a load that fails is dropped,
+and a sweep that stops before giving a study ends its workers (:meth:`LocalWorkers.stop`); one
+that dies takes them with it (``PR_SET_PDEATHSIG``).
 
 Each process sees only its GPU (``CUDA_VISIBLE_DEVICES``) or, on the CPU, its share of the
 cores; with ``degree`` > 1, each ``degree`` consecutive devices form one tensor-parallel group
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import json
 import logging
 import os
@@ -64,6 +67,7 @@ def await_arguments() -> tuple[list[str], Replica | None]:
     replica = None
     if line and isinstance(request := json.loads(line), dict):
         replica = _preload(request)
+        _import_stores()
         with phase(AWAIT_STUDY_PHASE):
             line = sys.stdin.readline()
     if not line:
@@ -74,8 +78,8 @@ def await_arguments() -> tuple[list[str], Replica | None]:
 def _preload(request: dict[str, Any]) -> Replica | None:
     """The replica for the settings the sweep wrote (``config``, ``device``, ``data_dir``), or None."""
     from plora_hpo.config import SweepConfig
+    from plora_hpo.devices import resolve_devices
     from plora_hpo.replica import load_replica
-    from plora_hpo.sweep import resolve_devices
 
     try:
         config = SweepConfig.model_validate(request["config"])
@@ -83,6 +87,15 @@ def _preload(request: dict[str, Any]) -> Replica | None:
     except Exception as err:  # the sweep's own checks report bad settings; the study's are loaded later
         log.info("loading ahead failed (%s: %s); loading once given the study", type(err).__name__, err)
         return None
+
+
+def _import_stores() -> None:
+    """Import what opening the study's stores imports on first use (SQL storages check their
+    schema with alembic; MLflow's SQL tracking store is its own module): a second or so that
+    would otherwise come between being given the study and the first step."""
+    for module in ("alembic.command", "alembic.migration", "mlflow.store.tracking.sqlalchemy_store"):
+        with contextlib.suppress(ImportError):  # a store that is not SQL does without
+            importlib.import_module(module)
 
 
 def _free_port() -> int:
@@ -101,7 +114,8 @@ class LocalWorkers:
     """One started ``plora-hpo worker`` process per device of this machine, waiting for a study.
 
     Args:
-        devices: one process per entry (``cuda:N`` or ``cpu``).
+        devices: one process per entry (``cuda:N`` or ``cpu``), as the sweep names them
+            (:attr:`assigned`).
         degree: processes per tensor-parallel group.
         preload: the settings of the study the processes will serve (one task), for each to load
             its base model and data while it waits; None (and with ``degree`` > 1, whose groups
@@ -122,6 +136,7 @@ class LocalWorkers:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpu_ids = visible.split(",") if visible else None
         cpu_workers = sum(d.startswith("cpu") for d in devices)
+        self.assigned = list(devices)
         self.devices: list[str] = []  # each process's device, as it names it
         self.processes: list[subprocess.Popen] = []
         self._given = False
@@ -153,6 +168,12 @@ class LocalWorkers:
         except BaseException:
             self.stop()
             raise
+
+    @classmethod
+    def for_task(cls, config: SweepConfig, task: str, devices: Sequence[str], *, data_dir: str | None) -> LocalWorkers:
+        """One process per device for the study of ``task``, loading its base model and data while it waits."""
+        preload = config.model_copy(update={"tasks": [task]})
+        return cls(devices, degree=config.pack.degree, preload=preload, data_dir=data_dir)
 
     def serve(
         self,

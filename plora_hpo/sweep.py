@@ -17,12 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from plora_hpo.admission import make_admission
 from plora_hpo.checkpoints import CheckpointStore
 from plora_hpo.config import SweepConfig
 from plora_hpo.cpu_threads import use_available_cores
+from plora_hpo.devices import resolve_devices
 from plora_hpo.errors import ConfigError
 from plora_hpo.replica import Replica, fresh_eval_tasks, load_base, load_replica, replica_key
 from plora_hpo.reporting import MlflowReporter, NullReporter, PackSegment
@@ -35,31 +34,6 @@ if TYPE_CHECKING:
     from plora_hpo.pack_group import PackChannel
 
 
-def resolve_devices(spec: str | None) -> list[torch.device]:
-    """``None``/``"cuda"``: every visible GPU (else the CPU); ``"cuda:1"``; ``"cuda:0,cuda:1"``;
-    ``"cpu"``. Repeating a device (``"cpu,cpu"``) runs that many workers on it."""
-    if spec is None or spec == "cuda":
-        if torch.cuda.is_available():
-            return [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
-        if spec == "cuda":
-            raise ConfigError("--device cuda: no CUDA device is visible; use --device cpu")
-        return [torch.device("cpu")]
-    devices = []
-    for part in spec.split(","):
-        try:
-            device = torch.device(part.strip())
-        except RuntimeError:
-            raise ConfigError(f"--device {spec}: {part!r} is not a device; use cpu, cuda or cuda:N") from None
-        if device.type == "cuda" and (
-            not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
-        ):
-            raise ConfigError(f"--device {spec}: {part} is not visible; use --device cpu or an existing cuda:N")
-        if device.type not in ("cpu", "cuda"):
-            raise ConfigError(f"--device {spec}: {device.type} is not supported; use cpu or cuda")
-        devices.append(device)
-    return devices
-
-
 class PackedSweep:
     """Task data, the trial pool, admission, reporter, checkpoints and one worker per device.
 
@@ -70,7 +44,7 @@ class PackedSweep:
         tracker: MLflow tracking (parent run started by the caller); ``None`` records no runs.
         run_dir: where adapters, checkpoints and the pack record go.
         data_dir: offline task data (``None``: ``$PLORA_HPO_DATA_DIR`` or the Hub).
-        device: see :func:`resolve_devices`.
+        device: see :func:`plora_hpo.devices.resolve_devices`.
         progress: front-end hooks (progress bars).
         label: names this process among several serving one study (a worker process): it is in
             every pack id (``pack-3@<label>``) and its pack record goes to ``packs/<label>/``.

@@ -10,7 +10,9 @@ import sys
 import optuna
 import pytest
 import torch
+from transformers import AutoConfig
 
+from plora_hpo import cli as cli_module
 from plora_hpo import run as run_module
 from plora_hpo.cli import main
 from plora_hpo.config import SweepConfig, load_sweep
@@ -50,15 +52,50 @@ def test_stop_ends_workers_never_given_a_study_and_leaves_served_ones(tmp_path):
     assert process.wait(timeout=300) == 2
 
 
-def test_a_sweep_that_fails_its_checks_leaves_no_worker_process(tmp_path, monkeypatch):
+def recorded_workers(monkeypatch) -> list[LocalWorkers]:
+    """Every :class:`LocalWorkers` the CLI and :class:`SweepRun` start from now on (the real class,
+    remembered so the test can look at its processes)."""
     started: list[LocalWorkers] = []
 
-    class Recorded(LocalWorkers):  # the real class, remembered so the test can look at its processes
+    class Recorded(LocalWorkers):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             started.append(self)
 
     monkeypatch.setattr(run_module, "LocalWorkers", Recorded)
+    monkeypatch.setattr(cli_module, "LocalWorkers", Recorded)
+    return started
+
+
+def test_the_cli_starts_worker_processes_before_it_imports_what_a_sweep_uses(tmp_path):
+    """They import and load while it does: by then it has imported torch and the settings only;
+    and checking a model folder does not import the modeling code its workers load with."""
+    model = tmp_path / "model"
+    AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(model)
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from plora_hpo.cli import start_workers_ahead\n"
+        "from plora_hpo.config import load_sweep\n"
+        "config = load_sweep(sys.argv[1])\n"
+        "workers = start_workers_ahead(config, 'cpu,cpu', True, None)\n"
+        "heavy = ('transformers', 'mlflow', 'lm_eval', 'plora_hpo.run', 'plora_hpo.sweep', 'plora_hpo.engine')\n"
+        "print(len(workers.processes), [m for m in heavy if m in sys.modules])\n"
+        "workers.stop()\n"
+        "from plora_hpo.preflight import check_sweep_inputs\n"
+        "check_sweep_inputs(config, run_dir=Path(sys.argv[2]), data_dir=None, device='cpu,cpu', mlflow_uri=None, "
+        "storage=None)\n"
+        "print('transformers.models.llama.modeling_llama' in sys.modules)\n"
+    )
+    sweep_file = small_sweep(tmp_path, model=str(model))
+    argv = [sys.executable, "-c", code, str(sweep_file), str(tmp_path / "runs")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["2", "[]", "False"]
+
+
+def test_a_sweep_that_fails_its_checks_leaves_no_worker_process(tmp_path, monkeypatch):
+    started = recorded_workers(monkeypatch)
     config = load_sweep(small_sweep(tmp_path, model=str(tmp_path / "no-such-model")))
     sweep = SweepRun(config, run_dir=tmp_path / "runs", device="cpu,cpu", processes=True)
     with pytest.raises(PloraError, match="no-such-model"):
@@ -69,12 +106,15 @@ def test_a_sweep_that_fails_its_checks_leaves_no_worker_process(tmp_path, monkey
 
 
 def test_a_worker_process_loads_its_model_and_data_once_ahead_of_its_study(tmp_path, monkeypatch):
-    """The process loads while the sweep opens its stores, and serves the study with that load."""
+    """The process the CLI started loads while the sweep opens its stores, and serves the study
+    with that load."""
+    started = recorded_workers(monkeypatch)
     timeline = tmp_path / "timeline.jsonl"
     monkeypatch.setenv(ENV, str(timeline))  # inherited by the worker process
     run_dir = tmp_path / "runs"
     argv = ["sweep", str(small_sweep(tmp_path)), "--run-dir", str(run_dir), "--device", "cpu", "--workers", "processes"]
     assert main(argv) == 0
+    assert len(started) == 1 and len(started[0].processes) == 1  # the sweep took over those the CLI started
     study = optuna.load_study(study_name="e2e-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
     assert [t.state for t in study.trials] == [optuna.trial.TrialState.COMPLETE] * 4
     events = [json.loads(line) for line in timeline.read_text().splitlines()]
