@@ -223,15 +223,20 @@ def start_workers_ahead(
     config: SweepConfig, device: str | None, processes: bool | None, data_dir: str | None
 ) -> LocalWorkers | None:
     """The sweep's worker processes for its first task, started before this process imports the
-    rest of what a sweep uses, so that they import and load while it does; None when it trains
-    in threads here, or its devices are bad (its input checks say so)."""
-    from plora_hpo.devices import sweep_devices
+    rest of what a sweep uses (for an explicit device list, torch too), so that they import and
+    load while it does; None when it trains in threads here, or its devices are bad (its input
+    checks say so, and stop processes started for devices that are not there)."""
+    from plora_hpo.devices import in_processes, named_devices, resolve_devices
 
-    try:
-        devices, in_processes = sweep_devices(device, processes, config.pack.degree)
-    except PloraError:
+    devices = named_devices(device)
+    if devices is None:  # counting the GPUs takes torch
+        try:
+            devices = [str(d) for d in resolve_devices(device)]
+        except PloraError:
+            return None
+    if not in_processes(processes, len(devices), config.pack.degree):
         return None
-    return LocalWorkers.for_task(config, config.tasks[0], devices, data_dir=data_dir) if in_processes else None
+    return LocalWorkers.for_task(config, config.tasks[0], devices, data_dir=data_dir)
 
 
 def run_worker(args: argparse.Namespace, replica: Replica | None = None) -> int:

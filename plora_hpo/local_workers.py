@@ -2,8 +2,8 @@
 
 A worker process spends its first seconds importing torch, transformers, lm-eval and MLflow,
 then loading the base model and the task data. The sweep starts its workers as soon as it knows
-its devices (the CLI: with only torch and the sweep file's settings imported), before it imports
-the rest, checks its inputs and opens its stores, so that this overlaps the sweep's own
+its devices (the CLI: once it has read the sweep file, importing torch only to count GPUs), before
+it imports the rest, checks its inputs and opens its stores, so that this overlaps the sweep's own
 start-up: the sweep writes each process its settings at once (one JSON object on stdin), and the
 process imports, loads its :class:`~plora_hpo.replica.Replica` for them, imports what opening
 the stores will need, then waits on its stdin for the study to serve
@@ -131,8 +131,6 @@ class LocalWorkers:
         preload: SweepConfig | None = None,
         data_dir: str | None = None,
     ) -> None:
-        from plora_hpo.pack_group import group_environment
-
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpu_ids = visible.split(",") if visible else None
         cpu_workers = sum(d.startswith("cpu") for d in devices)
@@ -145,6 +143,8 @@ class LocalWorkers:
             for i, device in enumerate(devices):
                 env = dict(os.environ)
                 if degree > 1:
+                    from plora_hpo.pack_group import group_environment  # torch.distributed: only for groups
+
                     port = _free_port() if i % degree == 0 else port
                     env.update(group_environment(i % degree, degree, port))
                 if device.startswith("cuda"):

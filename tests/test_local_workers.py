@@ -68,8 +68,9 @@ def recorded_workers(monkeypatch) -> list[LocalWorkers]:
 
 
 def test_the_cli_starts_worker_processes_before_it_imports_what_a_sweep_uses(tmp_path):
-    """They import and load while it does: by then it has imported torch and the settings only;
-    and checking a model folder does not import the modeling code its workers load with."""
+    """They import and load while it does: for an explicit device list, by then it has read the
+    settings only; and checking a model folder does not import the modeling code its workers
+    load with."""
     model = tmp_path / "model"
     AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(model)
     code = (
@@ -79,7 +80,7 @@ def test_the_cli_starts_worker_processes_before_it_imports_what_a_sweep_uses(tmp
         "from plora_hpo.config import load_sweep\n"
         "config = load_sweep(sys.argv[1])\n"
         "workers = start_workers_ahead(config, 'cpu,cpu', True, None)\n"
-        "heavy = ('transformers', 'mlflow', 'lm_eval', 'plora_hpo.run', 'plora_hpo.sweep', 'plora_hpo.engine')\n"
+        "heavy = ('torch', 'transformers', 'mlflow', 'lm_eval', 'plora_hpo.run', 'plora_hpo.sweep')\n"
         "print(len(workers.processes), [m for m in heavy if m in sys.modules])\n"
         "workers.stop()\n"
         "from plora_hpo.preflight import check_sweep_inputs\n"
