@@ -91,7 +91,8 @@ def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, floa
         states = _converted(states, len(packed.whole_chunk_widths), packed.whole_rows)
     copied = host_copies(
         {(None, k): v for k, v in packed.state_dict_of(adapter_id).items()}  # one wait for all of it
-        | {(i, k): v for i, state in enumerate(states) for k, v in state.items()}
+        | {(i, k): v for i, state in enumerate(states) for k, v in state.items()},
+        shared=True,  # one page-locked allocation; a checkpoint file holds the buffer once
     )
     weights: dict[str, torch.Tensor] = {}
     optimizer_state: list[dict[str, torch.Tensor]] = [{} for _ in states]

@@ -36,3 +36,38 @@ def test_copies_are_equal_contiguous_and_independent(device):
     packed.add_(1.0)  # training goes on after the capture: the copy must not follow
     assert torch.equal(copies["slice"], before)
     assert not torch.equal(copies["slice"], tensors["slice"].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_shared_copies_are_views_of_one_buffer_per_dtype_and_save_it_once(tmp_path):
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    packed = torch.randn(64, 48, device="cuda", generator=generator)
+    tensors = {
+        "a": packed[8:24],
+        "b": packed.t(),
+        "scalar": torch.tensor(3.0, device="cuda"),
+        "bf16": packed[:4].to(torch.bfloat16),
+        "bf16-2": torch.randn(7, device="cuda", generator=generator).to(torch.bfloat16),
+        "step": torch.tensor(7.0),
+    }
+    copies = host_copies(tensors, shared=True)
+
+    assert list(copies) == list(tensors)
+    for key, tensor in tensors.items():
+        copy = copies[key]
+        assert copy.dtype == tensor.dtype and copy.shape == tensor.shape and copy.is_contiguous()
+        assert torch.equal(copy, tensor.cpu())
+    storages = {k: copies[k].untyped_storage().data_ptr() for k in ("a", "b", "scalar", "bf16", "bf16-2")}
+    assert storages["a"] == storages["b"] == storages["scalar"] != storages["bf16"] == storages["bf16-2"]
+    assert copies["a"].is_pinned()
+    before = copies["a"].clone()
+    packed.add_(1.0)  # its own memory, not the device's
+    assert torch.equal(copies["a"], before) and not torch.equal(copies["a"], tensors["a"].cpu())
+
+    fp32_bytes = sum(copies[k].numel() * 4 for k in ("a", "b", "scalar"))
+    bf16_bytes = sum(copies[k].numel() * 2 for k in ("bf16", "bf16-2"))
+    torch.save(copies, tmp_path / "state.pt")
+    assert (tmp_path / "state.pt").stat().st_size < fp32_bytes + bf16_bytes + 8192  # each buffer once
+    loaded = torch.load(tmp_path / "state.pt")
+    assert all(torch.equal(loaded[k], copies[k]) for k in copies)
