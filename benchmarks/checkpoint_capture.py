@@ -7,8 +7,9 @@ runs in a fresh process (the caching host allocator starts empty, as in a sweep'
 of checkpoints), captures the same state twice (cold, then warm: the first copies freed), and
 times its parts with the device synchronised:
 
-* ``per-tensor``: one page-locked buffer per tensor (what ``host_copies`` does);
-* ``one-buffer``: one page-locked buffer for all of them, the tensors copied into views of it;
+* ``per-tensor``: one page-locked buffer per tensor (``host_copies``' default, an export's);
+* ``one-buffer``: one page-locked buffer for all of them, the tensors copied into views of it
+  (``host_copies(shared=True)``, a checkpoint's, per dtype);
 * ``pageable``: ``tensor.to("cpu")`` one after the other.
 
 Device::
