@@ -80,11 +80,12 @@ CLI_SHIM = (
 SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measured_step_seconds",
                 "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "solver",
                 "plan_seconds")  # fmt: skip
-PHASES = ["load-model", "load-data", "train", "evaluate", "export", "checkpoint", "join", "mlflow", "planner",
-          "calibrate", "optuna", "gather", "idle"]  # fmt: skip
+PHASES = ["load-model", "load-data", "compile", "train", "evaluate", "export", "checkpoint", "join", "mlflow",
+          "planner", "calibrate", "optuna", "gather", "idle"]  # fmt: skip
 COLORS = {
     "load-model": "#e67700",
     "load-data": "#f59f00",
+    "compile": "#5f3dc4",
     "train": "#2b8a3e",
     "evaluate": "#1971c2",
     "export": "#f08c00",

@@ -365,6 +365,7 @@ class _Pack:
         )
         self.slots: dict[str, _Slot] = {}
         self.packed_steps = 0
+        self._compiled = False  # the pack's kernels, compiled before its first step
         self._stable_since = 0  # index into stats.step_seconds where the composition last changed
         self._composition = 0  # bumped on every join or leave
         self._planned_for: tuple[int, int] | None = None  # (pool version, composition) last planned for
@@ -657,6 +658,10 @@ class _Pack:
     def _step(self) -> None:
         positions = stream_positions(self.trainer)
         try:
+            if not self._compiled:
+                self._compiled = True
+                with phase("compile"):
+                    self.trainer.compile_kernels()
             reports = self.train_step()
         except torch.OutOfMemoryError:
             if self.worker.channel is not None:  # the other ranks may be inside this step's collectives

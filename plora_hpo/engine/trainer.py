@@ -28,6 +28,7 @@ the update (an adapter whose loss or gradient is non-finite leaves the pack ther
 from __future__ import annotations
 
 import math
+import os
 import resource
 import time
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ from plora_hpo.engine.fused import (
 from plora_hpo.engine.lora_dropout import forward_key
 from plora_hpo.engine.loss import grouped_label_loss
 from plora_hpo.engine.packed_lora import PackedLoraModel
+from plora_hpo.kernels import can_compile_ahead, compile_ahead
 
 LOSS_CHUNK_TOKENS = 4096
 
@@ -517,6 +519,27 @@ class PackedTrainer:
         # that read, plus the launches after it) sum to a run's time.
         self._account(micro_batches, time.perf_counter() - started)
         return reports
+
+    def compile_kernels(self, threads: int | None = None) -> bool:
+        """Compile the Triton kernels of the next step, and the variants later steps may take, on
+        ``threads`` threads (default: every core this process may use) instead of one at a time
+        inside the first steps. One forward and backward of the next step's first micro-batch runs
+        with the LoRA kernels compiled but not launched; it updates nothing, and the next step
+        trains on the same batches. Returns whether anything was compiled: only on a GPU, for a pack
+        of one device, with a Triton that compiles asynchronously."""
+        if not self.jobs or not can_compile_ahead(self.device) or self.packed.parallel is not None:
+            return False
+        self._ensure_storage()
+        self.discard_prefetched()
+        ids = tuple(self.active)
+        positions = {a: self.streams[a].position() for a in ids}
+        micro_batches = self._build_micro_batches(ids)
+        self._prefetched = _Prefetched(ids, positions, micro_batches)
+        normalizers = torch.ones(len(ids), dtype=torch.float32, device=self.device)
+        with compile_ahead(threads or len(os.sched_getaffinity(0))):
+            self._forward_backward(micro_batches[0], normalizers, self._dropout_keys(micro_batches)[0])
+        self.zero_grads()
+        return True
 
     def zero_grads(self) -> None:
         """Drop every adapter's accumulated gradients (after an update, or to undo a step)."""

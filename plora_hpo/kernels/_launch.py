@@ -56,6 +56,12 @@ def _split(forced: int | None, cap: int, programs: int, bytes_per_program: int, 
     return max(1, min(cdiv(target, programs), cap, bytes_per_program // _SPLIT_BYTES))
 
 
+def _atomic_alternatives(forced: int | None, split: int, bytes_may_split: bool) -> tuple[dict[str, Any], ...]:
+    """The other ``USE_ATOMIC`` a launch may take on another step: the split follows the batch's
+    rows unless it is forced or the reduction is too small to split at any batch size."""
+    return () if forced or not bytes_may_split else ({"USE_ATOMIC": split == 1},)
+
+
 def _run(
     plan: Plan,
     tuning: Tuning,
@@ -136,7 +142,8 @@ def shrink(
             split = _split(tuning.shrink_split, cap, g.num_tiles, per_program, target)
             consts.update(USE_ATOMIC=split > 1, W_ALIGN_C=_hint(stride_wc), W_ALIGN_R=_hint(stride_wr))
             fixed = (g.tiles, plan.token_offsets, plan.rank_offsets, plan.h_offsets, plan.scalings, *ints)
-            launches.append(Launch(shrink_kernel, (g.num_tiles, split, 1), 3, fixed, consts))
+            others = _atomic_alternatives(tuning.shrink_split, split, cap > 1 and per_program >= 2 * _SPLIT_BYTES)
+            launches.append(Launch(shrink_kernel, (g.num_tiles, split, 1), 3, fixed, consts, others))
         return _Spec(tuple(launches), any(ln.grid[1] > 1 for ln in launches))
 
     def launch(spec: _Spec) -> torch.Tensor:
@@ -253,7 +260,8 @@ def weight_grad(
             split = _split(tuning.outer_split, cdiv(g.max_rows, block_m), programs, per_program, target)
             consts.update(GRID_C=min(widths), USE_ATOMIC=split > 1, **hints)
             fixed = (g.adapters, plan.token_offsets, plan.rank_offsets, plan.h_offsets, *ints)
-            launches.append(Launch(outer_kernel, (n_steps, g.num_adapters, split), 5, fixed, consts))
+            others = _atomic_alternatives(tuning.outer_split, split, True)  # rows and bytes both follow the batch
+            launches.append(Launch(outer_kernel, (n_steps, g.num_adapters, split), 5, fixed, consts, others))
         bare = tuple(plan.rows_without_delta(n_rows)) if fused and not accumulate else ()
         return _Spec(tuple(launches), any(ln.grid[2] > 1 for ln in launches), bare)
 

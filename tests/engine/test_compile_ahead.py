@@ -1,0 +1,67 @@
+"""Compiling a pack's Triton kernels ahead of its first step: afterwards the steps compile nothing,
+and they train exactly what they would have trained without it (same batches, no update)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from plora_hpo.adapter import AdapterConfig
+from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
+from plora_hpo.kernels import can_compile_ahead
+from plora_hpo.kernels._compiled import AsyncCompileMode
+
+from .conftest import random_examples, tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(AsyncCompileMode is None, reason="this Triton does not compile asynchronously"),
+]
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+CONFIGS = [(8, 2), (16, 3), (64, 1), (32, 2)]  # (rank, batch size): three rank tiles, so the merged kernels branch
+
+
+def _lora_kernels():
+    from plora_hpo.kernels._segment_kernels import expand_kernel, outer_kernel, shrink_kernel
+
+    return (shrink_kernel, expand_kernel, outer_kernel)
+
+
+def _compiled_variants() -> int:
+    return sum(len(caches[0]) for kernel in _lora_kernels() for caches in kernel.device_caches.values())
+
+
+def _train(base: torch.nn.Module, ahead: bool) -> tuple[list[list[float]], dict, int, int]:
+    packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
+    trainer = PackedTrainer(packed, settings=OptimizerSettings(max_grad_norm=1.0), pad_id=0, device="cuda")
+    for i, (rank, batch) in enumerate(CONFIGS):
+        config = AdapterConfig(rank=rank, alpha=2.0 * rank, learning_rate=2e-3, batch_size=batch, seed=i)
+        trainer.add_job(AdapterJob(f"a{i}", config, random_examples(24, seed=40 + i, max_len=60), 6))
+    if ahead:
+        assert trainer.compile_kernels(threads=4)
+    after_ahead = _compiled_variants()
+    losses = [[r.loss for r in trainer.step()] for _ in range(6)]
+    weights = {a: {k: v.clone() for k, v in packed.state_dict_of(a).items()} for a in trainer.jobs}
+    return losses, weights, after_ahead, _compiled_variants()
+
+
+def test_compiled_ahead_steps_compile_nothing_and_train_the_same():
+    assert can_compile_ahead(torch.device("cuda"))
+    base = tiny_model("qwen2", hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2)
+    base = base.to("cuda", torch.bfloat16)
+    for kernel in _lora_kernels():
+        kernel.device_caches.clear()  # nothing compiled yet in this process
+
+    losses, weights, after_ahead, after_steps = _train(base, ahead=True)
+    assert after_ahead > 0
+    assert after_steps == after_ahead, "a step compiled a kernel that compile_kernels left out"
+
+    plain_losses, plain_weights, _, _ = _train(base, ahead=False)
+    assert losses == plain_losses  # the same batches, and no update from the untimed pass
+    for adapter_id, tensors in plain_weights.items():
+        for key, want in tensors.items():
+            assert torch.equal(weights[adapter_id][key], want), (adapter_id, key)
