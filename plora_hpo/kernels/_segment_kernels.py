@@ -214,7 +214,7 @@ def _expand_tile(
         tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["grid_c"])  # it follows the batch: one compiled variant for every value
 def expand_kernel(
     h_ptr, w_ptr, out_ptr, base_ptr, tiles_ptr, tok_ptr, rank_ptr, hoff_ptr,
     n_cols, grid_c, stride_wr, stride_wc, stride_ot, stride_oc, stride_bt, stride_bc,
