@@ -253,6 +253,16 @@ def test_plan_groups_and_tiles() -> None:
     assert two_big.merged == two_big.per_rank and [g.flags()["TBIG"] for g in two_big.merged] == [512, 256, 0]
 
 
+@pytest.mark.parametrize("counts", [[40, 0, 17, 5], [1, 2, 3], [16], [5, 9, 33, 2, 7]])
+def test_plan_index_tensors_start_16_byte_aligned_whatever_the_batch(counts: list[int]) -> None:
+    """Triton compiles a kernel once per pointer alignment: a batch whose tile count is not a
+    multiple of four must not move the adapter rows off a 16-byte boundary."""
+    layout = SegmentLayout.from_counts(counts, [8, 16, 64, 32, 128][: len(counts)], [1.0] * len(counts))
+    plan = build_plan(layout, block_m=16, device=torch.device("cpu"))
+    for group in (*plan.merged, *plan.per_rank):
+        assert group.tiles.data_ptr() % 16 == 0 and group.adapters.data_ptr() % 16 == 0, group.num_tiles
+
+
 def test_alignment_hints() -> None:
     """The power of two each stride is hinted with: Σr = 1512 (32 mixed ranks) → 8; unit → none."""
     assert [_hint(s) for s in (1, 1512, 2048, 27, 6, 0)] == [1, 8, 16, 1, 2, 16]
