@@ -121,6 +121,9 @@ def _check_model(model: str) -> None:
 
 def _check_degree(config: SweepConfig, device: str | None) -> None:
     """``pack.degree`` must divide the model's heads, and the devices must form whole groups of it."""
+    degree = config.pack.degree
+    if degree == 1:
+        return  # before the imports: the engine (and Triton) are not the sweep process's to load
     from types import SimpleNamespace
 
     from plora_hpo.devices import resolve_devices
@@ -129,9 +132,6 @@ def _check_degree(config: SweepConfig, device: str | None) -> None:
     from plora_hpo.model_spec import EMBEDDED_NAME, RANDOM_PREFIX, resolve_config
     from plora_hpo.shapes import shape_by_name
 
-    degree = config.pack.degree
-    if degree == 1:
-        return
     devices = resolve_devices(device)
     if len(devices) % degree:
         raise ConfigError(

@@ -69,8 +69,8 @@ def recorded_workers(monkeypatch) -> list[LocalWorkers]:
 
 def test_the_cli_starts_worker_processes_before_it_imports_what_a_sweep_uses(tmp_path):
     """They import and load while it does: for an explicit device list, by then it has read the
-    settings only; and checking a model folder does not import the modeling code its workers
-    load with."""
+    settings only; and checking a model folder does not import the modeling code, the engine or
+    Triton, which its workers load."""
     model = tmp_path / "model"
     AutoConfig.for_model("llama", hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(model)
     code = (
@@ -86,13 +86,14 @@ def test_the_cli_starts_worker_processes_before_it_imports_what_a_sweep_uses(tmp
         "from plora_hpo.preflight import check_sweep_inputs\n"
         "check_sweep_inputs(config, run_dir=Path(sys.argv[2]), data_dir=None, device='cpu,cpu', mlflow_uri=None, "
         "storage=None)\n"
-        "print('transformers.models.llama.modeling_llama' in sys.modules)\n"
+        "print([m for m in ('transformers.models.llama.modeling_llama', 'plora_hpo.engine', 'triton') "
+        "if m in sys.modules])\n"
     )
     sweep_file = small_sweep(tmp_path, model=str(model))
     argv = [sys.executable, "-c", code, str(sweep_file), str(tmp_path / "runs")]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["2", "[]", "False"]
+    assert done.stdout.split() == ["2", "[]", "[]"]
 
 
 def test_a_sweep_that_fails_its_checks_leaves_no_worker_process(tmp_path, monkeypatch):
