@@ -1,8 +1,13 @@
 """Compiling a pack's Triton kernels ahead of its first step: afterwards the steps compile nothing,
-and they train exactly what they would have trained without it (same batches, no update)."""
+and they train exactly what they would have trained without it (same batches, no update).
+
+On the CPU the untimed pass runs with the kernels' compile mode left out (the reference path has
+nothing to compile): what it must not change, the batches and the weights, is checked bit for bit.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -10,16 +15,11 @@ import torch
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
+from plora_hpo.engine import trainer as trainer_module
 from plora_hpo.kernels import can_compile_ahead
 from plora_hpo.kernels._compiled import AsyncCompileMode
 
 from .conftest import random_examples, tiny_model
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(AsyncCompileMode is None, reason="this Triton does not compile asynchronously"),
-]
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIGS = [(8, 2), (16, 3), (64, 1), (32, 2)]  # (rank, batch size): three rank tiles, so the merged kernels branch
@@ -41,20 +41,36 @@ def _compiled_variants() -> set[tuple[str, str]]:
     }
 
 
-def _train(base: torch.nn.Module, ahead: bool) -> tuple[list[list[float]], dict, set, set]:
+def _train(base: torch.nn.Module, ahead: bool, device: str = "cuda") -> tuple[list[list[float]], dict, set, set]:
     packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
-    trainer = PackedTrainer(packed, settings=OptimizerSettings(max_grad_norm=1.0), pad_id=0, device="cuda")
+    trainer = PackedTrainer(packed, settings=OptimizerSettings(max_grad_norm=1.0), pad_id=0, device=device)
     for i, (rank, batch) in enumerate(CONFIGS):
         config = AdapterConfig(rank=rank, alpha=2.0 * rank, learning_rate=2e-3, batch_size=batch, seed=i)
         trainer.add_job(AdapterJob(f"a{i}", config, random_examples(24, seed=40 + i, max_len=60), 6))
     if ahead:
         assert trainer.compile_kernels(threads=4)
-    after_ahead = _compiled_variants()
+    on_gpu = device == "cuda"
+    after_ahead = _compiled_variants() if on_gpu else set()
     losses = [[r.loss for r in trainer.step()] for _ in range(6)]
     weights = {a: {k: v.clone() for k, v in packed.state_dict_of(a).items()} for a in trainer.jobs}
-    return losses, weights, after_ahead, _compiled_variants()
+    return losses, weights, after_ahead, _compiled_variants() if on_gpu else set()
 
 
+def test_the_untimed_pass_takes_no_batch_and_updates_nothing(monkeypatch):
+    monkeypatch.setattr(trainer_module, "can_compile_ahead", lambda device: True)
+    monkeypatch.setattr(trainer_module, "compile_ahead", lambda threads: contextlib.nullcontext())
+    base = tiny_model("qwen2")
+    reference_losses, reference_weights, _, _ = _train(base, ahead=False, device="cpu")
+    losses, weights, _, _ = _train(base, ahead=True, device="cpu")
+    assert losses == reference_losses
+    for adapter_id, tensors in reference_weights.items():
+        for key, want in tensors.items():
+            assert torch.equal(weights[adapter_id][key], want), (adapter_id, key)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(AsyncCompileMode is None, reason="this Triton does not compile asynchronously")
 def test_compiled_ahead_steps_compile_nothing_and_train_the_same():
     assert can_compile_ahead(torch.device("cuda"))
     base = tiny_model("qwen2", hidden_size=256, intermediate_size=688, num_attention_heads=8, num_key_value_heads=2)
