@@ -15,7 +15,7 @@ after another, each on one core. Inside :func:`compile_ahead` a launch launches 
 its variant, and the variants later steps may take instead (:attr:`Launch.alternatives`), to
 Triton's asynchronous compile mode, which compiles them on a pool of threads; leaving the block
 waits for them all. One untimed pass of a step's work through that block (the caller's) leaves
-every kernel of the pack compiled.
+compiled the kernels that the pack's steps launch through :class:`Launch`.
 """
 
 from __future__ import annotations
