@@ -96,6 +96,7 @@ class CheckpointWriter:
                     job()
             except BaseException as err:  # handed to the training loop, which decides
                 failed = err
+            del job  # the state it holds goes back now: its page-locked buffers are what later captures reuse
             with self._changed:
                 self._busy = False
                 self._pending_bytes -= size

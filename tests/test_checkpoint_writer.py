@@ -104,3 +104,21 @@ def test_writes_show_on_the_timeline_as_the_writer_thread_s_own_phase(tmp_path, 
     writer.flush()
     rows = [json.loads(line) for line in timeline.read_text().splitlines()]
     assert [(r["phase"], r["thread"]) for r in rows] == [("checkpoint-write", "plora-cpu-checkpoints")] * 2
+
+
+def test_a_written_state_is_let_go_at_once(tmp_path):
+    """Its host buffers go back to the allocator when its write ends, not when the next job comes:
+    a capture copies into page-locked memory, and a freed buffer is what the next capture reuses."""
+    import gc
+    import weakref
+
+    store = GatedStore(tmp_path)
+    store.gate.set()
+    writer = CheckpointWriter("test")
+    captured = state(4)
+    alive = weakref.ref(captured.weights["w"])
+    writer.save(store, 1, captured, {})
+    del captured
+    writer.flush()
+    gc.collect()
+    assert alive() is None
