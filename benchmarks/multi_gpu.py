@@ -55,7 +55,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import _bootstrap  # noqa: F401  (makes plora_hpo importable from a bare checkout)
@@ -143,9 +143,9 @@ def no_scores(packed: object, adapter_ids: Sequence[str], task: str, limit: int 
     return {a: {METRIC: math.nan} for a in adapter_ids}
 
 
-def no_export(packed: object, adapter_id: str, directory: Path) -> Path:
-    """The workers' exporter here: nothing is written (see the module doc)."""
-    return directory
+def no_export(packed: object, adapter_id: str, directory: Path) -> Callable[[], Path]:
+    """The workers' exporter here: nothing is read or written (see the module doc)."""
+    return lambda: directory
 
 
 @contextlib.contextmanager

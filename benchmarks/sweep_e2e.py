@@ -81,7 +81,7 @@ SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measure
                 "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "solver",
                 "plan_seconds")  # fmt: skip
 PHASES = ["load-model", "load-data", "compile", "train", "evaluate", "export", "checkpoint", "join", "mlflow",
-          "planner", "calibrate", "optuna", "gather", "idle"]  # fmt: skip
+          "planner", "calibrate", "optuna", "gather", "finishing", "idle"]  # fmt: skip
 COLORS = {
     "load-model": "#e67700",
     "load-data": "#f59f00",
@@ -97,6 +97,7 @@ COLORS = {
     "calibrate": "#868e96",
     "optuna": "#5c940d",
     "gather": "#adb5bd",
+    "finishing": "#74c0fc",
     "idle": "#dee2e6",
     "leave": "#495057",
     "progress": "#495057",
@@ -293,8 +294,10 @@ def read_trials(run_dir: Path, sweep_file: Path, start: float) -> list[dict]:
 def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
+    finishing = [e for e in events if e["thread"].endswith("-finishing")]
     loading = [e for e in events if e["thread"] == "MainThread"]  # the sweep's processes' own threads
-    events = [e for e in events if e["thread"].startswith("plora-") and not e["thread"].endswith("-checkpoints")]
+    aside = ("-checkpoints", "-finishing")  # the worker's background threads
+    events = [e for e in events if e["thread"].startswith("plora-") and not e["thread"].endswith(aside)]
     if not events:
         return {"note": "no timeline events (PLORA_HPO_TIMELINE not honoured?)"}
     bounds = sorted({e["start"] for e in events} | {e["end"] for e in events})
@@ -327,6 +330,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "shutdown_phases": shutdown_phases,
         "background_checkpoint_write_s": round(sum(e["end"] - e["start"] for e in background), 3),
         "background_checkpoint_writes": len(background),
+        "background_finishing": totals(finishing),
         "train_steps": len(steps),
         "step_seconds_median": warm[len(warm) // 2] if warm else None,
         "step_seconds_first": steps[0] if steps else None,
@@ -335,7 +339,9 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "stores), with startup_phases the parts of it the sweep's processes timed (summed over processes: they "
         "overlap); shutdown_phases: the same after the worker's first phase (closing); "
         "'shutdown' = the worker's last phase to process exit; background_checkpoint_write_s: the checkpoint "
-        "writer thread's torch.save time, overlapping the worker's phases",
+        "writer thread's torch.save time, overlapping the worker's phases; background_finishing: the finishing "
+        "thread's phases (finished adapters' files, MLflow runs, results), overlapping the worker's; 'finishing' "
+        "on the worker: waiting for them at a pack's end",
     }
 
 
@@ -745,10 +751,17 @@ def plot(result: dict, path: Path) -> None:
     sweep = result["sweep"]
     start, events = sweep["start"], sweep.get("events", [])
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    names = [p for p in [*PHASES, "checkpoint-write", "leave", "progress"] if any(e["phase"] == p for e in events)]
-    for row, name in enumerate(names):
-        spans = [(e["start"] - start, e["end"] - e["start"]) for e in events if e["phase"] == name]
-        ax.broken_barh(spans, (row - 0.4, 0.8), color=COLORS.get(name, "k"))
+    aside = " (finishing thread)"
+
+    def row(e: dict) -> str:  # the finishing thread's phases get rows of their own
+        return e["phase"] + (aside if e["thread"].endswith("-finishing") else "")
+
+    rows = {row(e) for e in events}
+    names = [p for p in [*PHASES, "checkpoint-write", "leave", "progress"] if p in rows]
+    names += [p + aside for p in PHASES if p + aside in rows]
+    for i, name in enumerate(names):
+        spans = [(e["start"] - start, e["end"] - e["start"]) for e in events if row(e) == name]
+        ax.broken_barh(spans, (i - 0.4, 0.8), color=COLORS.get(name.removesuffix(aside), "k"))
     first = min((e["start"] for e in events), default=start) - start
     ax.broken_barh([(0, first)], (len(names) - 0.4, 0.8), color=COLORS["startup"])
     ax.set_yticks(range(len(names) + 1), [*names, "startup"])

@@ -7,7 +7,7 @@ reads these and never reaches back into whoever built them. Importable with torc
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -64,10 +64,15 @@ class AdapterScorer(Protocol):
 
 
 class AdapterExporter(Protocol):
-    """Writes one finished adapter of a pack to ``directory`` and returns where it is (the
-    sweep's exporter writes PEFT's format, :func:`plora_hpo.engine.export.export_peft_adapter`)."""
+    """Reads one finished adapter out of a pack and returns its write to ``directory``.
 
-    def __call__(self, packed: Any, adapter_id: str, directory: Path) -> Path: ...
+    The read happens at once, while the adapter is in the pack (on every rank of a
+    tensor-parallel group); the returned write, which returns where the adapter is, runs later
+    on another thread, after the pack dropped the adapter. The sweep's exporter writes PEFT's
+    format (:mod:`plora_hpo.engine.export`).
+    """
+
+    def __call__(self, packed: Any, adapter_id: str, directory: Path) -> Callable[[], Path]: ...
 
 
 def total_steps(budget: BudgetSpec, config: AdapterConfig, train_examples: int) -> int:

@@ -10,10 +10,12 @@ adapter trains the trial the policy picks without restarting the pack.
 
 Per step the worker also: checkpoints adapters a few times over their steps
 (``train.checkpoint_every``); scores adapters on a slice of the eval set every
-``pruning.interval`` steps and asks their trial whether to stop; evaluates, exports and reports
-adapters that finished; feeds warm step times back into its cost model. A step that runs out of
-device memory is undone and the pack split: the adapters that still fit (by the corrected
-memory estimate) train on, the others wait in host memory and rejoin when room frees up.
+``pruning.interval`` steps and asks their trial whether to stop; scores adapters that finished,
+copies each out of the pack and frees its slot, while a thread of its own (``finisher``) writes
+the adapter, reports its run and hands its trial the outcome; feeds warm step times back into
+its cost model. A step that runs out of device memory is undone and the pack split: the adapters
+that still fit (by the corrected memory estimate) train on, the others wait in host memory and
+rejoin when room frees up.
 
 Everything the worker tells the outside goes through its reporter, progress hooks and trial
 tickets; it never calls back into the sweep that built it.
@@ -28,6 +30,7 @@ out of memory) hands its trials back to resume from their last checkpoints, and 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import threading
@@ -45,8 +48,9 @@ from plora_hpo.checkpoint_writer import CheckpointWriter
 from plora_hpo.checkpoints import NoSpaceLeft
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
-from plora_hpo.engine.export import export_peft_adapter
+from plora_hpo.engine.export import peft_adapter_files
 from plora_hpo.errors import CheckpointError, first_line
+from plora_hpo.job_thread import JobThread
 from plora_hpo.pacing import SharePacer
 from plora_hpo.pack_group import STOP, GroupFailed
 from plora_hpo.reporting import PackSegment, TrialReporter
@@ -172,6 +176,7 @@ class DeviceWorker:
         )
         self.pacer = SharePacer(config.train.checkpoint_overhead)  # checkpoint saves, sized in LoRA parameters
         self.writer = CheckpointWriter(f"plora-{self.name}")
+        self.finisher = JobThread(f"plora-{self.name}-finishing")  # finished trials' files, MLflow runs, results
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         self.parked: deque[tuple[TrialTicket, AdapterState | None]] = deque()  # waiting to (re)join
         self._thread = threading.Thread(target=self._serve, name=f"plora-{self.name}", daemon=True)
@@ -209,8 +214,9 @@ class DeviceWorker:
             self._samples[key] = picked or None
         return self._samples[key]
 
-    def _peft_export(self, packed: PackedLoraModel, adapter_id: str, directory: Path) -> Path:
-        return export_peft_adapter(packed, adapter_id, directory, self.base.pretrained_path)
+    def _peft_export(self, packed: PackedLoraModel, adapter_id: str, directory: Path) -> Callable[[], Path]:
+        files = peft_adapter_files(packed, adapter_id, self.base.pretrained_path)
+        return (lambda: directory) if files is None else functools.partial(files.write, directory)
 
     def start(self) -> None:
         self._thread.start()
@@ -419,7 +425,8 @@ class _Pack:
             return self.worker.score(self.worker.packed, adapter_ids, task, limit)
 
     @_replayed
-    def export_adapter(self, adapter_id: str, directory: Path) -> Path:
+    def export_adapter(self, adapter_id: str, directory: Path) -> Callable[[], Path]:
+        """The adapter copied out of the pack; returns the write of it (for the finishing thread)."""
         with phase("export"):
             return self.worker.export(self.worker.packed, adapter_id, directory)
 
@@ -597,6 +604,9 @@ class _Pack:
                     self._step()
                 self.admit()
                 progress.pack_update(self.pack_id, self.packed_steps, self._furthest_step(), len(self.slots))
+                self.worker.finisher.raise_failure()
+            with phase("finishing"):
+                self.worker.finisher.drain()  # the pack is done when its trials have their results
         except _Shutdown:  # the sweep is closing mid-pack (interrupted): keep what trained so far
             for adapter_id, slot in self.slots.items():
                 if adapter_id in self.trainer.jobs:
@@ -631,6 +641,10 @@ class _Pack:
             if not isinstance(err, Exception):
                 raise
         finally:
+            try:
+                self.worker.finisher.drain()  # trials that left before an error still get their results
+            except BaseException as err:  # its own trial has it; the pack's first error is the one raised
+                log.info("%s: recording a finished trial failed too: %s", self.pack_id, first_line(err))
             self._close_segment()
             if started:
                 progress.pack_finished(self.pack_id)
@@ -759,18 +773,36 @@ class _Pack:
             metrics = self.score(task, ids, self.config.evaluation.limit)
             for adapter_id in ids:
                 slot = self.slots[adapter_id]
-                adapter_dir = self.export_adapter(adapter_id, self.worker.adapter_root / adapter_id)
-                with phase("mlflow"):
-                    adapter_dir = self.reporter.trial_completed(
-                        slot, self.pack_id, metrics[adapter_id], adapter_dir, self.trainer.stats
-                    )
-                outcome = self._outcome(
-                    slot,
-                    value=metrics[adapter_id][self._metric(task)],
-                    metrics=metrics[adapter_id],
-                    adapter_dir=adapter_dir,
-                )
-                self._finish(slot, outcome)
+                write = self.export_adapter(adapter_id, self.worker.adapter_root / adapter_id)
+                scores = metrics[adapter_id]
+                outcome = self._outcome(slot, value=scores[self._metric(task)], metrics=scores)
+                stats = dataclasses.replace(self.trainer.stats, step_seconds=[])  # the pack's figures until now
+                with phase("leave"):
+                    self._leave(adapter_id)  # its slot trains the next trial while this one is recorded
+                self.worker.finisher.submit(functools.partial(self._record_completed, slot, outcome, write, stats))
+
+    def _record_completed(
+        self, slot: _Slot, outcome: TrialOutcome, write: Callable[[], Path], stats: PackStats
+    ) -> None:
+        """On the finishing thread: the adapter's files, its run's last report, then its trial's result.
+
+        A failure settles this trial as the pack's own error would (its run ends FAILED, or KILLED
+        to resume from its checkpoint when the disk is full) and is raised for the training loop.
+        """
+        try:
+            with phase("export"):
+                adapter_dir = write()
+            with phase("mlflow"):
+                adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
+        except BaseException as err:
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                if isinstance(err, NoSpaceLeft):
+                    self.reporter.trial_interrupted(slot)
+                else:
+                    self.reporter.trial_abandoned(slot.run_id)
+            slot.ticket.fail(err)
+            raise
+        self._settle(slot, dataclasses.replace(outcome, adapter_dir=adapter_dir))
 
     def _fail(self, slot: _Slot, reason: str) -> None:
         """A trial that left its pack non-finite (or out of memory alone): its run ends FAILED."""
@@ -793,10 +825,14 @@ class _Pack:
         )
 
     def _finish(self, slot: _Slot, outcome: TrialOutcome) -> None:
-        with phase("checkpoint"):
-            self.worker.writer.delete(self.worker.checkpoints(slot.request.task), slot.request.lineage)
         with phase("leave"):
             self._leave(slot.request.adapter_id)
+        self._settle(slot, outcome)
+
+    def _settle(self, slot: _Slot, outcome: TrialOutcome) -> None:
+        """A trial out of the pack: its checkpoint goes (after its queued saves), its result is handed over."""
+        with phase("checkpoint"):
+            self.worker.writer.delete(self.worker.checkpoints(slot.request.task), slot.request.lineage)
         with phase("optuna"):
             slot.ticket.finish(outcome)
         with phase("progress"):

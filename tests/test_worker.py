@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 import optuna
 import pytest
@@ -124,6 +126,70 @@ def test_pruned_adapter_leaves_and_its_slot_trains_the_next_trial(tmp_path):
     pruned = client.get_run(trials[0].user_attrs["mlflow_run_id"])
     assert pruned.info.status == "KILLED" and pruned.data.tags["plora.pruned_at_step"] == "2"
     assert [m.step for m in client.get_metric_history(pruned.info.run_id, "intermediate_acc")] == [2]
+
+
+def test_the_pack_trains_on_while_its_finished_trials_are_recorded(tmp_path, monkeypatch):
+    """Writing a finished adapter and its MLflow run happens beside the training loop: the trial
+    that takes the freed slot trains while the first finished trial's run is still being logged."""
+    sweep, study, tracker = open_sweep(
+        tmp_path, "finishing", budget={"steps": 4}, pack={"size": 2, "gather_seconds": 10}
+    )
+    real_step, steps, trained_on = PackedTrainer.step, [], threading.Event()
+
+    def step(self):
+        reports = real_step(self)
+        steps.append(sorted(self.jobs))
+        if len(steps) > 4:  # the first two trials are done after 4 steps: this is the third's
+            trained_on.set()
+        return reports
+
+    monkeypatch.setattr(PackedTrainer, "step", step)
+    real_completed, waited = sweep.reporter.trial_completed, []
+
+    def slow_completed(record, *args):
+        if not waited:  # the first finished trial's record waits for the next trial to train
+            waited.append(trained_on.wait(timeout=30))
+        return real_completed(record, *args)
+
+    monkeypatch.setattr(sweep.reporter, "trial_completed", slow_completed)
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=3, n_jobs=3)
+    finally:
+        sweep.close()
+
+    assert waited == [True]  # training went on while that trial was being recorded
+    assert len(steps) == 8 and len(steps[0]) == 2 and len(steps[-1]) == 1
+    trials = study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
+    client = MlflowClient(tracker.tracking_uri)
+    for t in trials:
+        assert (Path(t.user_attrs["adapter_dir"]) / "adapter_model.safetensors").is_file()
+        assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
+
+
+def test_a_finished_trial_whose_record_fails_gets_the_error_and_its_run_ends_failed(tmp_path, monkeypatch):
+    sweep, study, tracker = open_sweep(
+        tmp_path, "unrecorded", budget={"steps": 3}, pack={"size": 2, "gather_seconds": 10}
+    )
+    real_completed, calls = sweep.reporter.trial_completed, []
+
+    def completed(record, *args):
+        calls.append(record.run_id)
+        if len(calls) == 1:
+            raise RuntimeError("the tracking server rejected the run (injected)")
+        return real_completed(record, *args)
+
+    monkeypatch.setattr(sweep.reporter, "trial_completed", completed)
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=2, n_jobs=2, catch=(RuntimeError,))
+    finally:
+        sweep.close()
+
+    by_run = {t.user_attrs.get("mlflow_run_id"): t for t in study.trials}
+    assert by_run[calls[0]].state == TrialState.FAIL
+    assert by_run[calls[1]].state == TrialState.COMPLETE  # it had left the pack: recorded as usual
+    client = MlflowClient(tracker.tracking_uri)
+    assert [client.get_run(r).info.status for r in calls] == ["FAILED", "FINISHED"]
 
 
 def test_two_devices_train_packs_at_the_same_time(tmp_path):
