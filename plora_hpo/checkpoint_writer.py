@@ -40,8 +40,7 @@ class CheckpointWriter(JobThread):
     """One device's queue of checkpoint writes and deletes, run by a daemon thread."""
 
     def __init__(self, name: str, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
-        super().__init__(f"{name}-checkpoints")
-        self.max_pending_bytes = max_pending_bytes
+        super().__init__(f"{name}-checkpoints", max_queued_bytes=max_pending_bytes)
 
     def save(self, store: CheckpointStore, lineage: int, state: AdapterState, extra: dict[str, str]) -> None:
         """Queue ``state`` as the lineage's checkpoint; waits while the queue holds too many bytes."""
@@ -53,9 +52,7 @@ class CheckpointWriter(JobThread):
 
         with self._changed:
             self._raise_failure()
-            while self.queued_bytes and self.queued_bytes + size > self.max_pending_bytes:
-                self._changed.wait()
-                self._raise_failure()
+            self._wait_for_room(size, raising=True)
             self._put(write, size)
 
     def delete(self, store: CheckpointStore, lineage: int) -> None:

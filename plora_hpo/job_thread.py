@@ -23,11 +23,13 @@ log = logging.getLogger(__name__)
 class JobThread:
     """A queue of jobs run by one daemon thread named ``name``, in the order submitted.
 
-    ``nbytes`` of a job: the host memory it holds until it has run (:attr:`queued_bytes`), for
-    callers that bound it.
+    ``nbytes`` of a job: the host memory it holds until it has run. A job waits to be queued
+    while the queue (the running job included) holds more than ``max_queued_bytes``, unless the
+    queue is empty: the training loop then waits for the thread instead of filling host memory.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, max_queued_bytes: int = 4 << 30) -> None:
+        self.max_queued_bytes = max_queued_bytes
         self._jobs: deque[tuple[Callable[[], object], int]] = deque()
         self.queued_bytes = 0
         self._busy = False
@@ -37,8 +39,9 @@ class JobThread:
         self._thread.start()
 
     def submit(self, job: Callable[[], object], nbytes: int = 0) -> None:
-        """Queue ``job``; it runs after every job submitted before it."""
+        """Queue ``job`` (after waiting for room); it runs after every job submitted before it."""
         with self._changed:
+            self._wait_for_room(nbytes)
             self._put(job, nbytes)
 
     def raise_failure(self) -> None:
@@ -54,6 +57,13 @@ class JobThread:
             self._raise_failure()
 
     # --- for subclasses, with the lock (``self._changed``) held ------------------------------------
+    def _wait_for_room(self, nbytes: int, *, raising: bool = False) -> None:
+        """Wait while ``nbytes`` more would exceed the bound; ``raising``: a failure ends the wait."""
+        while self.queued_bytes and self.queued_bytes + nbytes > self.max_queued_bytes:
+            self._changed.wait()
+            if raising:
+                self._raise_failure()
+
     def _put(self, job: Callable[[], object], nbytes: int) -> None:
         self._jobs.append((job, nbytes))
         self.queued_bytes += nbytes

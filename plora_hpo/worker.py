@@ -777,9 +777,13 @@ class _Pack:
                 scores = metrics[adapter_id]
                 outcome = self._outcome(slot, value=scores[self._metric(task)], metrics=scores)
                 stats = dataclasses.replace(self.trainer.stats, step_seconds=[])  # the pack's figures until now
+                held = 4 * self.worker.degree * sum(p.numel() for p in self.worker.packed.parameters_of(adapter_id))
                 with phase("leave"):
                     self._leave(adapter_id)  # its slot trains the next trial while this one is recorded
-                self.worker.finisher.submit(functools.partial(self._record_completed, slot, outcome, write, stats))
+                with phase("finishing"):  # waits only while the thread holds too many adapters' copies
+                    self.worker.finisher.submit(
+                        functools.partial(self._record_completed, slot, outcome, write, stats), nbytes=held
+                    )
 
     def _record_completed(
         self, slot: _Slot, outcome: TrialOutcome, write: Callable[[], Path], stats: PackStats

@@ -55,3 +55,21 @@ def test_raise_failure_reports_a_failed_job_without_waiting_for_the_rest():
             time.sleep(0.01)
     gate.set()
     jobs.drain()
+
+
+def test_a_job_waits_to_be_queued_while_the_queue_holds_too_many_bytes():
+    jobs = JobThread("plora-test-finishing", max_queued_bytes=100)
+    gate = threading.Event()
+    jobs.submit(lambda: gate.wait(30), nbytes=60)  # running, holding 60 bytes
+    jobs.submit(lambda: None, nbytes=30)  # 90 bytes held: still room
+    third = threading.Thread(target=jobs.submit, args=(lambda: None,), kwargs={"nbytes": 30})
+    third.start()
+    third.join(0.5)
+    assert third.is_alive()  # 120 bytes would be held: it waits
+    gate.set()
+    third.join(10)
+    assert not third.is_alive()
+    jobs.drain()
+    assert jobs.queued_bytes == 0
+    jobs.submit(lambda: None, nbytes=500)  # larger than the bound, into an empty queue: goes alone
+    jobs.drain()
