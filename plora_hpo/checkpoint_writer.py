@@ -63,7 +63,8 @@ class CheckpointWriter(JobThread):
             with phase("checkpoint-write"):
                 store.delete(lineage)
 
-        self.submit(remove)
+        with self._changed:  # holds no bytes: never waits for room
+            self._put(remove, 0)
 
     def flush(self) -> None:
         """Wait until everything queued is on disk; raises the first failed write."""

@@ -72,6 +72,8 @@ LIVE_LOG_SECONDS = 10.0
 """How often the loss curves of the trials in a pack are reported while they train."""
 LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device memory
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
+FINISHING_QUEUE_BYTES = 1 << 30
+"""Host bytes of finished adapters' copies a device may queue for writing before its loop waits."""
 
 
 def padded_length(seq_len: int, resources: DeviceResources) -> int:
@@ -176,7 +178,9 @@ class DeviceWorker:
         )
         self.pacer = SharePacer(config.train.checkpoint_overhead)  # checkpoint saves, sized in LoRA parameters
         self.writer = CheckpointWriter(f"plora-{self.name}")
-        self.finisher = JobThread(f"plora-{self.name}-finishing")  # finished trials' files, MLflow runs, results
+        # finished trials' files, MLflow runs and results; a copy or two ahead is all the overlap
+        # needs, and page-locked buffers freed by written copies are what the next copies reuse
+        self.finisher = JobThread(f"plora-{self.name}-finishing", max_queued_bytes=FINISHING_QUEUE_BYTES)
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         self.parked: deque[tuple[TrialTicket, AdapterState | None]] = deque()  # waiting to (re)join
         self._thread = threading.Thread(target=self._serve, name=f"plora-{self.name}", daemon=True)

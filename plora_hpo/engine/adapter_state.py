@@ -30,10 +30,6 @@ class AdapterState:
     stream_position: tuple[int, int]
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, lr)
 
-    def parameter_count(self) -> int:
-        """LoRA parameters held (a checkpoint writes 12 bytes for each: weight and two moments)."""
-        return sum(t.numel() for t in self.weights.values())
-
     def to_dict(self) -> dict:
         return {
             "config": self.config.as_params(),
