@@ -8,7 +8,6 @@ checkpoint intact.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import torch
 
 from plora_hpo.engine.adapter_state import AdapterState
-from plora_hpo.errors import CheckpointError, PloraError, first_line
+from plora_hpo.errors import CheckpointError, PloraError, disk_full, first_line
 from plora_hpo.trials import TrialInterrupted
 
 FORMAT_VERSION = 1
@@ -32,6 +31,17 @@ def disk_has_room(directory: Path, needed: int = 1 << 20) -> bool:
     while not directory.exists() and directory != directory.parent:
         directory = directory.parent
     return shutil.disk_usage(directory).free >= needed
+
+
+def as_no_space_left(err: BaseException, directory: Path, what: str) -> NoSpaceLeft | None:
+    """``err``, raised writing ``what`` under ``directory``, as :class:`NoSpaceLeft` if that file
+    system is full, else None."""
+    if disk_full(err) is None and disk_has_room(directory):
+        return None
+    return NoSpaceLeft(
+        f"no space left on the device of {directory} for {what} ({first_line(err)}); free space or move "
+        "the run directory, then rerun the same command: it resumes from the last checkpoints"
+    )
 
 
 class CheckpointStore:
@@ -55,16 +65,12 @@ class CheckpointStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             torch.save({"version": FORMAT_VERSION, "state": state.to_dict(), "extra": extra or {}}, partial)
             os.replace(partial, final)
-        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
+        except (OSError, RuntimeError) as err:
             partial.unlink(missing_ok=True)
-            full = (isinstance(err, OSError) and err.errno == errno.ENOSPC) or not disk_has_room(self.directory)
-            if not full:
+            full = as_no_space_left(err, self.directory, "a checkpoint")
+            if full is None:
                 raise
-            raise NoSpaceLeft(
-                f"no space left on the device of {self.directory} for a checkpoint ({first_line(err)}); free "
-                "space or move the run directory, then rerun the same command: it resumes from the last "
-                "checkpoints"
-            ) from err
+            raise full from err
         return final
 
     def load(self, lineage: int) -> tuple[AdapterState, dict[str, str]] | None:

@@ -6,7 +6,6 @@ Every user-facing failure prints one ``error:`` line naming the problem and the 
 from __future__ import annotations
 
 import argparse
-import errno
 import functools
 import logging
 import os
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from plora_hpo.errors import PloraError
+from plora_hpo.errors import PloraError, disk_full
 from plora_hpo.local_workers import AWAIT_ARGUMENTS, LocalWorkers, await_arguments
 from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
 from plora_hpo.trials import TrialInterrupted
@@ -350,18 +349,6 @@ class StoppedTrialsFilter(logging.Filter):
             self._dropped.add(message.split(" failed", 1)[0])  # "Trial 3"
             return False
         return message.split(" failed", 1)[0] not in self._dropped
-
-
-def disk_full(err: BaseException) -> str | None:
-    """What says that ``err`` or an exception it came from is a full disk (OS or SQLite), or None."""
-    seen: BaseException | None = err
-    while seen is not None:
-        if isinstance(seen, OSError) and seen.errno == errno.ENOSPC:
-            return os.strerror(errno.ENOSPC)
-        if "disk is full" in str(seen):
-            return "database or disk is full"
-        seen = seen.__cause__ or seen.__context__
-    return None
 
 
 def main(argv: list[str] | None = None) -> int:

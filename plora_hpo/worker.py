@@ -45,7 +45,7 @@ import torch
 
 from plora_hpo.admission import AdmissionPolicy, Candidate, Room
 from plora_hpo.checkpoint_writer import CheckpointWriter
-from plora_hpo.checkpoints import NoSpaceLeft
+from plora_hpo.checkpoints import NoSpaceLeft, as_no_space_left
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import peft_adapter_files
@@ -798,8 +798,14 @@ class _Pack:
         to resume from its checkpoint when the disk is full) and is raised for the training loop.
         """
         try:
-            with phase("export"):
-                adapter_dir = write()
+            try:
+                with phase("export"):
+                    adapter_dir = write()
+            except Exception as err:
+                full = as_no_space_left(err, self.worker.adapter_root, "a finished adapter")
+                if full is None:
+                    raise
+                raise full from err
             with phase("mlflow"):
                 adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
         except BaseException as err:

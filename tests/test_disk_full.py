@@ -4,6 +4,7 @@ once there is room finishes every trial, resuming from the checkpoints that were
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -56,3 +57,45 @@ def test_a_full_disk_stops_with_one_line_and_a_rerun_with_room_finishes(tmp_path
     study = optuna.load_study(study_name="full-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]  # each grid point once
+
+
+def test_a_disk_that_fills_while_a_finished_adapter_is_written_stops_the_sweep_the_same_way(
+    tmp_path, small_disk, monkeypatch, capsys
+):
+    """The adapter files are written beside the training loop: a full disk there still stops the
+    sweep with one line, leaves no half-written adapter and no FAILED run, and a rerun finishes."""
+    from mlflow.tracking import MlflowClient
+
+    from plora_hpo.cli import main
+    from plora_hpo.engine.export import PeftAdapterFiles
+
+    sweep_file = small_sweep(tmp_path, name="fullexport", budget={"steps": 4}, train={"checkpoint_every": 2})
+    run_dir = small_disk / "runs"
+    filler = small_disk / "filler"
+    real_write = PeftAdapterFiles.write
+
+    def write_onto_a_full_disk(self, directory):  # fault injection: the disk fills just before the first write
+        if not filler.exists():
+            filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - (1 << 20)))  # 1 MB left
+        return real_write(self, directory)
+
+    monkeypatch.setattr(PeftAdapterFiles, "write", write_onto_a_full_disk)
+    code = main(["sweep", str(sweep_file), "--run-dir", str(run_dir)])
+    out = capsys.readouterr()
+    assert code == 2, out.err[-3000:]
+    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left" in errors[0] and "finished adapter" in errors[0], out.err[-3000:]
+    assert "Traceback" not in out.err + out.out
+    assert not [p for p in (run_dir / "adapters").iterdir() if p.name.startswith(".")]  # no half-written adapter
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    trial_runs = [r for r in runs if "plora.trial_number" in r.data.tags]
+    assert trial_runs and {r.info.status for r in trial_runs} <= {"KILLED", "FINISHED"}
+
+    monkeypatch.undo()
+    filler.unlink()
+    resumed = sweep(sweep_file, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    study = optuna.load_study(study_name="fullexport-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]

@@ -53,8 +53,12 @@ class PeftAdapterFiles:
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
-        save_file(self.tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
-        (tmp / "adapter_config.json").write_text(json.dumps(self.config, indent=2, sort_keys=True))
+        try:
+            save_file(self.tensors, tmp / "adapter_model.safetensors", metadata={"format": "pt"})
+            (tmp / "adapter_config.json").write_text(json.dumps(self.config, indent=2, sort_keys=True))
+        except BaseException:  # a full disk: nothing half-written stays
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         if directory.is_symlink():  # the earlier export's link to where the tracker keeps it
             directory.unlink()
         elif directory.exists():
