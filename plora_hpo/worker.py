@@ -609,8 +609,10 @@ class _Pack:
                 self.admit()
                 progress.pack_update(self.pack_id, self.packed_steps, self._furthest_step(), len(self.slots))
                 self.worker.finisher.raise_failure()
-            with phase("finishing"):
-                self.worker.finisher.drain()  # the pack is done when its trials have their results
+                if not self.slots:  # its trials' results bring the next proposals: they may join this pack
+                    with phase("finishing"):
+                        self.worker.finisher.drain()
+                    self.admit(gather_seconds=self.config.pack.gather_seconds)
         except _Shutdown:  # the sweep is closing mid-pack (interrupted): keep what trained so far
             for adapter_id, slot in self.slots.items():
                 if adapter_id in self.trainer.jobs:

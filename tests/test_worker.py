@@ -192,6 +192,20 @@ def test_a_finished_trial_whose_record_fails_gets_the_error_and_its_run_ends_fai
     assert [client.get_run(r).info.status for r in calls] == ["FAILED", "FINISHED"]
 
 
+def test_trials_proposed_once_finished_ones_are_told_join_the_pack_that_runs(tmp_path):
+    """As many trials in flight as the pack holds: the next ones are asked for only when finished
+    ones are told, beside the training loop. The pack waits for them rather than ending."""
+    sweep, study, _ = open_sweep(tmp_path, "refill", budget={"steps": 3}, pack={"size": 2, "gather_seconds": 10})
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=4, n_jobs=sweep.concurrency)  # the grid
+    finally:
+        sweep.close()
+
+    trials = study.trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
+    assert {t.user_attrs["pack_id"] for t in trials} == {"pack-0"}
+
+
 def test_two_devices_train_packs_at_the_same_time(tmp_path):
     """``--device cpu,cpu``: two workers, each with its own model replica, one pack each."""
     sweep, study, tracker = open_sweep(
