@@ -169,7 +169,10 @@ class PackSpec(_Strict):
         "auto", description="ILP solver for the planner: gurobipy (size-limited pip license), HiGHS, or auto."
     )
     gather_seconds: float = Field(
-        2.0, ge=0, description="How long study.optimize waits for concurrent trials before a pack starts."
+        2.0,
+        ge=0,
+        description="How long a pack waits for concurrent trials before it starts, and for the next ones "
+        "once all its members finished.",
     )
     micro_batch_tokens: int | None = Field(
         None,
