@@ -24,8 +24,9 @@ class JobThread:
     """A queue of jobs run by one daemon thread named ``name``, in the order submitted.
 
     ``nbytes`` of a job: the host memory it holds until it has run. A job waits to be queued
-    while the queue (the running job included) holds more than ``max_queued_bytes``, unless the
-    queue is empty: the training loop then waits for the thread instead of filling host memory.
+    while its bytes would take the queue (the running job included) past ``max_queued_bytes``,
+    unless nothing is queued: the training loop then waits for the thread instead of filling
+    host memory.
     """
 
     def __init__(self, name: str, max_queued_bytes: int = 4 << 30) -> None:
