@@ -65,7 +65,7 @@ class CheckpointStore:
             self.directory.mkdir(parents=True, exist_ok=True)
             torch.save({"version": FORMAT_VERSION, "state": state.to_dict(), "extra": extra or {}}, partial)
             os.replace(partial, final)
-        except (OSError, RuntimeError) as err:
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
             partial.unlink(missing_ok=True)
             full = as_no_space_left(err, self.directory, "a checkpoint")
             if full is None:
