@@ -5,7 +5,7 @@ caller's :func:`~plora_hpo.engine.adapter_state.capture`); serialising and writi
 for a large adapter — overlaps the next steps. Saves and deletes of a lineage happen in the
 order they were asked for, so a finished trial's delete never races its last save.
 
-Host memory is bounded: a save waits while more than ``max_pending_bytes`` of states are queued
+Host memory is bounded: a save waits while more than ``max_queued_bytes`` of states are queued
 (the device's checkpoint share then counts the wait, and the pacer saves less often). A failed
 write (a full disk) is raised in the training loop at its next save or :meth:`flush`;
 the saves queued behind it are dropped (each lineage keeps its previous file), deletes still run.
@@ -26,7 +26,7 @@ from plora_hpo.timeline import phase
 
 log = logging.getLogger(__name__)
 
-MAX_PENDING_BYTES = 4 << 30
+MAX_QUEUED_BYTES = 4 << 30
 """Host bytes of captured states a device may queue before a save waits for the writer."""
 
 
@@ -39,8 +39,8 @@ def state_bytes(state: AdapterState) -> int:
 class CheckpointWriter(JobThread):
     """One device's queue of checkpoint writes and deletes, run by a daemon thread."""
 
-    def __init__(self, name: str, max_pending_bytes: int = MAX_PENDING_BYTES) -> None:
-        super().__init__(f"{name}-checkpoints", max_queued_bytes=max_pending_bytes)
+    def __init__(self, name: str, max_queued_bytes: int = MAX_QUEUED_BYTES) -> None:
+        super().__init__(f"{name}-checkpoints", max_queued_bytes)
 
     def save(self, store: CheckpointStore, lineage: int, state: AdapterState, extra: dict[str, str]) -> None:
         """Queue ``state`` as the lineage's checkpoint; waits while the queue holds too many bytes."""

@@ -29,7 +29,7 @@ class JobThread:
     host memory.
     """
 
-    def __init__(self, name: str, max_queued_bytes: int = 4 << 30) -> None:
+    def __init__(self, name: str, max_queued_bytes: int) -> None:
         self.max_queued_bytes = max_queued_bytes
         self._jobs: deque[tuple[Callable[[], object], int]] = deque()
         self.queued_bytes = 0

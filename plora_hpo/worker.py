@@ -180,7 +180,7 @@ class DeviceWorker:
         self.writer = CheckpointWriter(f"plora-{self.name}")
         # finished trials' files, MLflow runs and results; a copy or two ahead is all the overlap
         # needs, and page-locked buffers freed by written copies are what the next copies reuse
-        self.finisher = JobThread(f"plora-{self.name}-finishing", max_queued_bytes=FINISHING_QUEUE_BYTES)
+        self.finisher = JobThread(f"plora-{self.name}-finishing", FINISHING_QUEUE_BYTES)
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         self.parked: deque[tuple[TrialTicket, AdapterState | None]] = deque()  # waiting to (re)join
         self._thread = threading.Thread(target=self._serve, name=f"plora-{self.name}", daemon=True)

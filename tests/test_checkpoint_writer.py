@@ -75,7 +75,7 @@ def test_a_failed_write_is_raised_at_the_next_call_and_drops_the_saves_queued_be
 def test_a_save_waits_while_the_queue_holds_too_many_bytes(tmp_path):
     store = GatedStore(tmp_path)
     one = state(1, n=1024)
-    writer = CheckpointWriter("test", max_pending_bytes=2 * state_bytes(one) + 1)
+    writer = CheckpointWriter("test", max_queued_bytes=2 * state_bytes(one) + 1)
     assert state_bytes(one) == 3 * 1024 * 4
     writer.save(store, 1, one, {})  # the writer takes it and waits at the gate
     writer.save(store, 2, state(2, n=1024), {})  # queued: one state pending beside the one being written

@@ -11,7 +11,7 @@ from plora_hpo.job_thread import JobThread
 
 
 def test_jobs_run_in_order_on_their_thread_while_the_caller_goes_on():
-    jobs = JobThread("plora-test-finishing")
+    jobs = JobThread("plora-test-finishing", max_queued_bytes=1 << 20)
     gate, seen = threading.Event(), []
     jobs.submit(lambda: (gate.wait(10), seen.append((1, threading.current_thread().name))))
     jobs.submit(lambda: seen.append((2, threading.current_thread().name)))
@@ -22,7 +22,7 @@ def test_jobs_run_in_order_on_their_thread_while_the_caller_goes_on():
 
 
 def test_a_failed_job_is_raised_once_and_the_jobs_behind_it_still_run():
-    jobs = JobThread("plora-test-finishing")
+    jobs = JobThread("plora-test-finishing", max_queued_bytes=1 << 20)
     ran = []
 
     def fail():
@@ -40,7 +40,7 @@ def test_a_failed_job_is_raised_once_and_the_jobs_behind_it_still_run():
 
 
 def test_raise_failure_reports_a_failed_job_without_waiting_for_the_rest():
-    jobs = JobThread("plora-test-finishing")
+    jobs = JobThread("plora-test-finishing", max_queued_bytes=1 << 20)
     gate = threading.Event()
 
     def fail():

@@ -107,9 +107,10 @@ def _group(layout: SegmentLayout, adapters: list[int], block_m: int, device: tor
     tok, rk = layout.token_offsets, layout.rank_offsets
     tiles_of = {k: rank_tile(rk[k + 1] - rk[k]) for k in adapters}
     tiles = [(k, row, tiles_of[k]) for k in adapters for row in range(tok[k], tok[k + 1], block_m)]
+    # the adapter rows start 16-byte aligned whatever the batch: Triton specialises a kernel on each
+    # pointer's alignment, and a flip would compile it again mid-sweep
     head = [v for t in tiles for v in t]
-    head += [0] * (-len(head) % 4)  # the adapter rows start 16-byte aligned, whatever the batch: Triton
-    # specialises a kernel on each pointer's alignment, and a flip would compile it again mid-sweep
+    head += [0] * (-len(head) % 4)
     packed = torch.tensor(head + [v for k in adapters for v in (k, tiles_of[k])])
     packed = packed.to(torch.int32).to(device)
     return LaunchGroup(
