@@ -751,17 +751,17 @@ def plot(result: dict, path: Path) -> None:
     sweep = result["sweep"]
     start, events = sweep["start"], sweep.get("events", [])
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    aside = " (finishing thread)"
+    own_row = " (finishing thread)"
 
     def row(e: dict) -> str:  # the finishing thread's phases get rows of their own
-        return e["phase"] + (aside if e["thread"].endswith("-finishing") else "")
+        return e["phase"] + (own_row if e["thread"].endswith("-finishing") else "")
 
     rows = {row(e) for e in events}
     names = [p for p in [*PHASES, "checkpoint-write", "leave", "progress"] if p in rows]
-    names += [p + aside for p in PHASES if p + aside in rows]
+    names += [p + own_row for p in PHASES if p + own_row in rows]
     for i, name in enumerate(names):
         spans = [(e["start"] - start, e["end"] - e["start"]) for e in events if row(e) == name]
-        ax.broken_barh(spans, (i - 0.4, 0.8), color=COLORS.get(name.removesuffix(aside), "k"))
+        ax.broken_barh(spans, (i - 0.4, 0.8), color=COLORS.get(name.removesuffix(own_row), "k"))
     first = min((e["start"] for e in events), default=start) - start
     ax.broken_barh([(0, first)], (len(names) - 0.4, 0.8), color=COLORS["startup"])
     ax.set_yticks(range(len(names) + 1), [*names, "startup"])
