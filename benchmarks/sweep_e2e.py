@@ -80,12 +80,13 @@ CLI_SHIM = (
 SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measured_step_seconds",
                 "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "solver",
                 "plan_seconds")  # fmt: skip
-PHASES = ["load-model", "load-data", "compile", "train", "evaluate", "export", "checkpoint", "join", "mlflow",
-          "planner", "calibrate", "optuna", "gather", "finishing", "idle"]  # fmt: skip
+PHASES = ["load-model", "load-data", "compile", "triton-compile", "train", "evaluate", "export", "checkpoint", "join",
+          "mlflow", "planner", "calibrate", "optuna", "gather", "finishing", "idle"]  # fmt: skip
 COLORS = {
     "load-model": "#e67700",
     "load-data": "#f59f00",
     "compile": "#5f3dc4",
+    "triton-compile": "#e03131",
     "train": "#2b8a3e",
     "evaluate": "#1971c2",
     "export": "#f08c00",
@@ -320,8 +321,15 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
 
     startup_phases = totals([e for e in loading if e["start"] < first])
     shutdown_phases = totals([e for e in loading if e["start"] >= first])
-    steps = [e["end"] - e["start"] for e in events if e["phase"] == "train"]
+    trains = [e for e in events if e["phase"] == "train"]
+    steps = [e["end"] - e["start"] for e in trains]
     warm = sorted(steps[2:]) if len(steps) > 3 else sorted(steps)
+    compiles = []  # kernels compiled one by one on the worker's thread, and the training step they were in
+    for e in events:
+        if e["phase"] == "triton-compile":
+            step = next((i for i, t in enumerate(trains) if t["start"] <= e["start"] <= t["end"]), None)
+            compiles.append({"kernel": e.get("kernel"), "at_s": round(e["start"] - start, 3),
+                             "seconds": round(e["end"] - e["start"], 3), "train_step": step})  # fmt: skip
     return {
         "wall_s": wall,
         "seconds": {k: round(v, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])},
@@ -331,6 +339,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "background_checkpoint_write_s": round(sum(e["end"] - e["start"] for e in background), 3),
         "background_checkpoint_writes": len(background),
         "background_finishing": totals(finishing),
+        "triton_compiles": compiles,
         "train_steps": len(steps),
         "step_seconds_median": warm[len(warm) // 2] if warm else None,
         "step_seconds_first": steps[0] if steps else None,
@@ -341,7 +350,9 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "'shutdown' = the worker's last phase to process exit; background_checkpoint_write_s: the checkpoint "
         "writer thread's torch.save time, overlapping the worker's phases; background_finishing: the finishing "
         "thread's phases (finished adapters' files, MLflow runs, results), overlapping the worker's; 'finishing' "
-        "on the worker: waiting for them at a pack's end",
+        "on the worker: waiting for them at a pack's end; triton_compiles: Triton kernel variants compiled on the "
+        "worker's thread (not those of the compile pass, compiled on a pool), with the training step (0-based) they "
+        "were in",
     }
 
 
@@ -856,6 +867,9 @@ def print_table(result: dict) -> None:
         print("timeline (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl["seconds"].items()))
         print("of the startup (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("startup_phases", {}).items()))
         print("of the shutdown (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("shutdown_phases", {}).items()))
+        mid = [c for c in tl.get("triton_compiles", []) if c["train_step"] is not None]
+        where = "".join(f"; {c['kernel']} {c['seconds']:.2f} s at step {c['train_step']}" for c in mid[:6])
+        print(f"Triton compiles inside training steps: {len(mid)}{where}")
     if result.get("tests"):
         print("pytest -m gpu:", result["tests"].get("summary"))
 

@@ -55,8 +55,9 @@ def run_mode(args, sweep_file: Path, work: Path, name: str, device: list[str], w
     run_dir = work / name
     argv = ["sweep", str(sweep_file), "--run-dir", str(run_dir), "--device", ",".join(device), "--workers", workers]
     cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
-    log_path = args.out / f"{name.replace('@', '-')}.log"
-    timeline = args.out / f"{name.replace('@', '-')}.timeline.jsonl"
+    stem = name.replace("@", "-").replace("#", "-run")  # names the device tool brings back
+    log_path = args.out / f"{stem}.log"
+    timeline = args.out / f"{stem}.timeline.jsonl"
     timeline.unlink(missing_ok=True)
     env = {**os.environ, "PLORA_HPO_TIMELINE": str(timeline)}
     print(f"[{name}] plora-hpo {' '.join(shlex.quote(a) for a in argv)}", flush=True)

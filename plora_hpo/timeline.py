@@ -9,6 +9,11 @@ with wall-clock seconds (``time.time()``), so a benchmark in another process can
 on its own clock. Phases nest (an MLflow call inside evaluation is still ``mlflow``): readers
 should count the innermost phase at each instant. The GPU work of a phase is inside it because
 the training step and evaluation read their results back to the host before they return.
+
+A Triton kernel variant compiled while the timeline is on (after :func:`watch_triton_compiles`)
+is a phase too, ``triton-compile``, with the kernel's name in ``kernel``: a step that compiles is
+then told apart from a slow one. Variants compiled on a pool of threads (asynchronous compile
+mode) are left out; the caller's own phase covers them.
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ _lock = threading.Lock()
 _files: dict[str, object] = {}
 
 
-def record(name: str, start: float, end: float) -> None:
-    """Append one finished phase (wall-clock seconds) to the timeline file, if one is set."""
+def record(name: str, start: float, end: float, **details: str) -> None:
+    """Append one finished phase (wall-clock seconds, and ``details`` as extra keys) to the
+    timeline file, if one is set."""
     path = os.environ.get(ENV)
     if not path:
         return
-    line = json.dumps({"phase": name, "start": start, "end": end, "thread": threading.current_thread().name})
+    row = {"phase": name, "start": start, "end": end, "thread": threading.current_thread().name, **details}
+    line = json.dumps(row)
     with _lock:
         handle = _files.get(path)
         if handle is None:
@@ -49,3 +56,40 @@ def phase(name: str) -> Iterator[None]:
         yield
     finally:
         record(name, start, time.time())
+
+
+_compiling: dict[tuple[int, str], float] = {}  # (thread, variant key) -> when its compile started
+
+
+def watch_triton_compiles() -> None:
+    """Record every Triton kernel variant this process compiles from now on as a
+    ``triton-compile`` phase, while the timeline is on; a no-op without Triton, or when the
+    timeline is off. Hooks that were already installed keep being called first."""
+    if not os.environ.get(ENV):
+        return
+    try:
+        from triton import knobs
+        from triton.runtime import _async_compile
+    except ImportError:  # no Triton, or one without compile hooks: nothing compiles that could be shown
+        return
+    before, after = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    if getattr(before, "plora_timeline", False):
+        return
+
+    def variant(kwargs: dict) -> tuple[int, str]:
+        return threading.get_ident(), f"{kwargs['fn'].name}:{kwargs['key']}"
+
+    def starting(**kwargs: object) -> bool | None:
+        skip = before(**kwargs) if before else None
+        if not skip and _async_compile.active_mode.get() is None:
+            _compiling[variant(kwargs)] = time.time()
+        return skip
+
+    def finished(**kwargs: object) -> bool | None:
+        start = _compiling.pop(variant(kwargs), None)
+        if start is not None:
+            record("triton-compile", start, time.time(), kernel=kwargs["fn"].name)
+        return after(**kwargs) if after else None
+
+    starting.plora_timeline = True  # type: ignore[attr-defined]
+    knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = starting, finished

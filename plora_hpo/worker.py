@@ -55,7 +55,7 @@ from plora_hpo.pacing import SharePacer
 from plora_hpo.pack_group import STOP, GroupFailed
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps, usable_memory_bytes
-from plora_hpo.timeline import phase
+from plora_hpo.timeline import phase, watch_triton_compiles
 from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
 
 if TYPE_CHECKING:
@@ -163,6 +163,8 @@ class DeviceWorker:
         self.base = resources.base
         self.gpu = resources.gpu
         self.packed = PackedLoraModel(self.base.model, config.target_modules)
+        if self.device.type == "cuda":  # where kernels compile: a step that compiles shows as such
+            watch_triton_compiles()
         shape_name = shape_name_for_shape(self.base.shape)
         self.cost = CostModel(
             Workload(

@@ -36,3 +36,13 @@ def test_steps_that_do_not_add_up_give_no_starts():
     segments = [segment(2, 2), segment(3, 3)]
     events = [train(t) for t in (1, 2, 3, 4, 5, 6)]  # a step that ran out of memory: a phase, no step
     assert segment_step_starts(segments, events, 1) is None
+
+
+def test_a_kernel_compiled_inside_a_step_is_named_with_its_step():
+    from sweep_e2e import summarize_timeline
+
+    events = [train(t) for t in (1, 2, 3)]
+    events += [{"phase": "triton-compile", "start": 2.1, "end": 2.4, "thread": "plora-cuda:0", "kernel": "k"}]
+    tl = summarize_timeline(events, start=0.0, end=4.0)
+    assert tl["triton_compiles"] == [{"kernel": "k", "at_s": 2.1, "seconds": 0.3, "train_step": 1}]
+    assert tl["seconds"]["triton-compile"] == 0.3 and tl["seconds"]["train"] == 1.2  # the step's own time

@@ -55,7 +55,7 @@ if triton is not None:
             tl.store(o, (x1 * c1 - x2 * s1).to(o_ptr.dtype.element_ty), mask=mask)
             tl.store(o + HALF * so_d, (x2 * c2 + x1 * s2).to(o_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["seq_len"])  # it follows the batch: one compiled variant for every length
     def _rotary_kernel(
         q_ptr, k_ptr, cos_ptr, sin_ptr, qo_ptr, ko_ptr, seq_len, n_q, n_k,
         sq_b, sq_h, sq_s, sq_d, sk_b, sk_h, sk_s, sk_d,

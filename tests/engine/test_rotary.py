@@ -1,13 +1,19 @@
 """The fused rotary embedding (``plora_hpo.engine.rotary``) on Triton's CPU interpreter (fp32):
-against Hugging Face's own function in fp64, and swapped into real attention modules."""
+against Hugging Face's own function in fp64, and swapped into real attention modules; on a GPU,
+how many variants of it Triton compiles."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -126,3 +132,34 @@ def test_kernel_is_not_used_where_it_differs_from_the_model():
         print("ok")
         """
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_compiled_variant_each_way_whatever_the_sequence_length(tmp_path, monkeypatch):
+    """The length follows the batch: a length Triton specialised (divisible by 16 or not) made a
+    pack's later steps compile the kernel again, mid-sweep. Counted by the timeline's compile
+    watcher, which also shows that it records each compile with the kernel's name."""
+    from triton import knobs
+
+    from plora_hpo import timeline
+    from plora_hpo.engine.rotary import _rotary_kernel, rotary
+
+    path = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(timeline.ENV, str(path))
+    for hook in ("jit_cache_hook", "jit_post_compile_hook"):
+        monkeypatch.setattr(knobs.runtime, hook, getattr(knobs.runtime, hook))  # restored afterwards
+    timeline.watch_triton_compiles()
+    _rotary_kernel.device_caches.clear()  # nothing compiled yet in this process
+    for seq in (48, 50, 64, 33, 1):
+        q = torch.randn(2, seq, 4, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+        k = torch.randn(2, seq, 2, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+        cos, sin = (torch.randn(1, seq, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        out = rotary(q, k, cos, sin)
+        torch.autograd.grad(out, (q, k), [torch.ones_like(t) for t in out])
+    torch.cuda.synchronize()
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    compiles = [(r["kernel"], r["thread"]) for r in rows if r["phase"] == "triton-compile"]
+    mine = threading.current_thread().name
+    assert compiles == [("_rotary_kernel", mine)] * 2  # forward and backward, once each
+    assert all(r["start"] <= r["end"] for r in rows)
