@@ -198,9 +198,12 @@ class Prior:
     per-forward adapter bytes are the bf16 cast (6) and the kernels' fp32 read-modify-write of
     the gradient (8). Its step (0.403 s) exceeds the kernels'
     busy time (0.387 s) by 0.016 s: the gaps between its 2585 kernels, 0.57 ms per layer and
-    forward. Its host-bound rows (K 1 0.149 s, K 8 0.173 s) give 0.146 s per forward of 28
-    layers and 3.4 ms per adapter; of a layer's 5.2 ms, 0.46 ms per adapted projection (in the
-    same proportion as the other profile's host times). Calibration corrects them per (model, GPU).
+    forward. Its host-bound rows (the 2026-11-30 run: K 1 0.149 s, K 8 0.173 s, and K 32 cut
+    into three forwards of 8,192 tokens, 0.493 s) give 26 ms per step, 0.120 s per forward of 28
+    layers and 3.4 ms per adapter; of a layer's 4.3 ms, 0.38 ms per adapted projection (in the
+    same proportion as the other profile's host times). A step's own host work (its batches, the
+    loss read back, the update) is done once however many forwards it has: counted per forward,
+    the micro-batched row came out 11% high. Calibration corrects them per (model, GPU).
     """
 
     # memory: saved elements per token and decoder layer
@@ -229,9 +232,10 @@ class Prior:
     # bandwidth; the per-forward casts run on the contiguous flat storage buffers at full bandwidth.
     optimizer_bandwidth_efficiency: float = 0.74
     gpu_fixed_per_layer_s: float = 0.57e-3  # per forward: GPU gaps between the layer's kernels
-    launch_per_layer_s: float = 1.98e-3  # host time per layer and forward, besides the projections
-    launch_per_target_s: float = 0.46e-3  # ... plus each adapted projection's base + LoRA node
-    launch_per_adapter_s: float = 3.4e-3  # per step: each adapter's batch, schedule and AdamW group
+    launch_per_step_s: float = 25.9e-3  # host time once per step, however many forwards it has
+    launch_per_layer_s: float = 1.63e-3  # host time per layer and forward, besides the projections
+    launch_per_target_s: float = 0.378e-3  # ... plus each adapted projection's base + LoRA node
+    launch_per_adapter_s: float = 3.38e-3  # per step: each adapter's batch, schedule and AdamW group
     forward_share: float = 0.35  # the forward's share of host launches and traffic (recomputed)
 
 
@@ -254,6 +258,7 @@ PEFT_PRIOR = Prior(
     micro_param_bytes=0.0,
     optimizer_bandwidth_efficiency=1.0,
     gpu_fixed_per_layer_s=1.0e-3,
+    launch_per_step_s=0.0,
     launch_per_layer_s=0.8e-3,
     launch_per_target_s=0.7e-3,
     launch_per_adapter_s=0.5e-3,
@@ -491,7 +496,7 @@ class CostModel:
         if w.checkpointing:  # the recomputed forward issues its kernels again
             launch *= 1 + p.forward_share
             fixed *= 1 + p.forward_share
-        return StepTerms(launch=micro_batches * launch, fixed=micro_batches * fixed)
+        return StepTerms(launch=p.launch_per_step_s + micro_batches * launch, fixed=micro_batches * fixed)
 
     def adapter_terms(self, config: AdapterConfig, degree: int, micro_batches: int = 1) -> StepTerms:
         """Per-step seconds that one adapter adds: its rows through the base, its LoRA work, its

@@ -1,9 +1,9 @@
 """The cost model against real packs measured on an H200: the prior alone, and calibration fitted
 on small packs predicting larger, different ones (goal: memory within 10%, step within 15%).
 
-The prior's constants were derived from these same measurements (the K 32 profile and the K 1 /
-K 8 / micro rows), so the prior checks are in-sample for those rows; the 7B rows and seq 1024 were
-not used. The calibration checks show that fitting on small packs keeps the large ones within
+The prior's constants were derived from an earlier run of the same benchmark (the K 32 profile
+and the K 1 / K 8 / micro rows), so the prior checks are nearly in-sample for those rows; the 7B
+rows and seq 1024 were not used. The calibration checks show that fitting on small packs keeps the large ones within
 bounds; they fail when measurements of the engine stop matching what the prior describes."""
 
 from __future__ import annotations
