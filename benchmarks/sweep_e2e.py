@@ -330,6 +330,12 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
             step = next((i for i, t in enumerate(trains) if t["start"] <= e["start"] <= t["end"]), None)
             compiles.append({"kernel": e.get("kernel"), "at_s": round(e["start"] - start, 3),
                              "seconds": round(e["end"] - e["start"], 3), "train_step": step})  # fmt: skip
+    median = sorted(steps)[len(steps) // 2] if steps else 0.0
+    slow = [  # what made a step take more than twice the median: kernels compiled, allocator retries
+        {"train_step": i, "seconds": round(d, 3), "alloc_retries": trains[i].get("alloc_retries"),
+         "compiled": [c["kernel"] for c in compiles if c["train_step"] == i]}
+        for i, d in enumerate(steps) if d > 2 * median
+    ]  # fmt: skip
     return {
         "wall_s": wall,
         "seconds": {k: round(v, 3) for k, v in sorted(seconds.items(), key=lambda kv: -kv[1])},
@@ -340,6 +346,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "background_checkpoint_writes": len(background),
         "background_finishing": totals(finishing),
         "triton_compiles": compiles,
+        "slow_steps": slow,
         "train_steps": len(steps),
         "step_seconds_median": warm[len(warm) // 2] if warm else None,
         "step_seconds_first": steps[0] if steps else None,
@@ -352,7 +359,8 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "thread's phases (finished adapters' files, MLflow runs, results), overlapping the worker's; 'finishing' "
         "on the worker: waiting for them at a pack's end; triton_compiles: Triton kernel variants compiled on the "
         "worker's thread (not those of the compile pass, compiled on a pool), with the training step (0-based) they "
-        "were in",
+        "were in; slow_steps: training steps over twice the median, with the kernels compiled in them and the "
+        "caching allocator's retries during them (alloc_retries, CUDA only)",
     }
 
 
@@ -870,6 +878,9 @@ def print_table(result: dict) -> None:
         mid = [c for c in tl.get("triton_compiles", []) if c["train_step"] is not None]
         where = "".join(f"; {c['kernel']} {c['seconds']:.2f} s at step {c['train_step']}" for c in mid[:6])
         print(f"Triton compiles inside training steps: {len(mid)}{where}")
+        slow = [f"{x['train_step']} ({x['seconds']:.2f} s, compiled {len(x['compiled'])}, "
+                f"allocator retries {x['alloc_retries']})" for x in tl.get("slow_steps", [])[:8]]  # fmt: skip
+        print("steps over twice the median:", "; ".join(slow) or "none")
     if result.get("tests"):
         print("pytest -m gpu:", result["tests"].get("summary"))
 

@@ -30,7 +30,7 @@ _lock = threading.Lock()
 _files: dict[str, object] = {}
 
 
-def record(name: str, start: float, end: float, **details: str) -> None:
+def record(name: str, start: float, end: float, **details: object) -> None:
     """Append one finished phase (wall-clock seconds, and ``details`` as extra keys) to the
     timeline file, if one is set."""
     path = os.environ.get(ENV)
@@ -45,17 +45,24 @@ def record(name: str, start: float, end: float, **details: str) -> None:
         handle.write(line + "\n")
 
 
+def enabled() -> bool:
+    """Whether phases are being recorded (what a caller checks before measuring a detail)."""
+    return bool(os.environ.get(ENV))
+
+
 @contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Time the enclosed block as phase ``name`` when the timeline is on."""
-    if not os.environ.get(ENV):
-        yield
+def phase(name: str) -> Iterator[dict[str, object]]:
+    """Time the enclosed block as phase ``name`` when the timeline is on; what the block puts in
+    the dict it is given is recorded with the phase."""
+    details: dict[str, object] = {}
+    if not enabled():
+        yield details
         return
     start = time.time()
     try:
-        yield
+        yield details
     finally:
-        record(name, start, time.time())
+        record(name, start, time.time(), **details)
 
 
 _compiling: dict[tuple[int, str], float] = {}  # (thread, variant key) -> when its compile started
@@ -65,7 +72,7 @@ def watch_triton_compiles() -> None:
     """Record every Triton kernel variant this process compiles from now on as a
     ``triton-compile`` phase, while the timeline is on; a no-op without Triton, or when the
     timeline is off. Hooks that were already installed keep being called first."""
-    if not os.environ.get(ENV):
+    if not enabled():
         return
     try:
         from triton import knobs

@@ -55,6 +55,7 @@ from plora_hpo.pacing import SharePacer
 from plora_hpo.pack_group import STOP, GroupFailed
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps, usable_memory_bytes
+from plora_hpo.timeline import enabled as timeline_enabled
 from plora_hpo.timeline import phase, watch_triton_compiles
 from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
 
@@ -357,6 +358,10 @@ def _replayed(method: Callable[..., Any]) -> Callable[..., Any]:
     return call
 
 
+def _alloc_retries(device: torch.device) -> int:
+    return int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+
+
 class _Pack:
     """One pack's life on a worker: from its first admitted trial until it has none left."""
 
@@ -413,8 +418,14 @@ class _Pack:
 
     @_replayed
     def train_step(self) -> list[StepReport]:
-        with phase("train"):
-            return self.trainer.step()
+        device = self.worker.device
+        watch = device.type == "cuda" and timeline_enabled()
+        with phase("train") as details:
+            before = _alloc_retries(device) if watch else 0
+            reports = self.trainer.step()
+            if watch:  # the caching allocator emptied its cache to fit the step: a step slowed by memory
+                details["alloc_retries"] = _alloc_retries(device) - before
+        return reports
 
     @_replayed
     def undo_step(self, positions: dict[str, tuple[int, int]]) -> None:

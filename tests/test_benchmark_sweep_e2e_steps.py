@@ -46,3 +46,16 @@ def test_a_kernel_compiled_inside_a_step_is_named_with_its_step():
     tl = summarize_timeline(events, start=0.0, end=4.0)
     assert tl["triton_compiles"] == [{"kernel": "k", "at_s": 2.1, "seconds": 0.3, "train_step": 1}]
     assert tl["seconds"]["triton-compile"] == 0.3 and tl["seconds"]["train"] == 1.2  # the step's own time
+
+
+def test_slow_steps_say_what_slowed_them():
+    from sweep_e2e import summarize_timeline
+
+    spans = [(1.0, 1.5, 0), (2.0, 3.9, 0), (4.0, 4.5, 0), (4.6, 5.8, 2), (6.0, 6.5, 0)]
+    events = [{**train(a), "end": b, "alloc_retries": r} for a, b, r in spans]
+    events += [{"phase": "triton-compile", "start": 2.1, "end": 3.5, "thread": "plora-cuda:0", "kernel": "k"}]
+    slow = summarize_timeline(events, start=0.0, end=7.0)["slow_steps"]
+    assert slow == [  # over twice the 0.5 s median: a kernel compiled in one, the allocator retried in the other
+        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"]},
+        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": []},
+    ]

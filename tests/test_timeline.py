@@ -42,3 +42,12 @@ def test_triton_compiles_are_watched_only_when_the_timeline_is_on(monkeypatch):
     assert all(callable(h) for h in installed)
     watch_triton_compiles()
     assert (knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook) == installed
+
+
+def test_what_a_phase_is_told_is_recorded_with_it(tmp_path, monkeypatch):
+    path = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(ENV, str(path))
+    with phase("train") as details:
+        details["alloc_retries"] = 2
+    (row,) = [json.loads(line) for line in path.read_text().splitlines()]
+    assert row["phase"] == "train" and row["alloc_retries"] == 2
