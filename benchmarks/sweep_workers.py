@@ -55,7 +55,7 @@ def run_mode(args, sweep_file: Path, work: Path, name: str, device: list[str], w
     run_dir = work / name
     argv = ["sweep", str(sweep_file), "--run-dir", str(run_dir), "--device", ",".join(device), "--workers", workers]
     cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
-    stem = name.replace("@", "-").replace("#", "-run")  # names the device tool brings back
+    stem = name.replace("@", "-").replace("#", "-run")  # file names of plain characters: any tool copies them
     log_path = args.out / f"{stem}.log"
     timeline = args.out / f"{stem}.timeline.jsonl"
     timeline.unlink(missing_ok=True)

@@ -198,12 +198,12 @@ class Prior:
     per-forward adapter bytes are the bf16 cast (6) and the kernels' fp32 read-modify-write of
     the gradient (8). Its step (0.403 s) exceeds the kernels'
     busy time (0.387 s) by 0.016 s: the gaps between its 2585 kernels, 0.57 ms per layer and
-    forward. Its host-bound rows (the 2026-11-30 run: K 1 0.149 s, K 8 0.173 s, and K 32 cut
-    into three forwards of 8,192 tokens, 0.493 s) give 26 ms per step, 0.120 s per forward of 28
-    layers and 3.4 ms per adapter; of a layer's 4.3 ms, 0.38 ms per adapted projection (in the
-    same proportion as the other profile's host times). A step's own host work (its batches, the
-    loss read back, the update) is done once however many forwards it has: counted per forward,
-    the micro-batched row came out 11% high. Calibration corrects them per (model, GPU).
+    forward. Its host-bound rows (K 1 0.149 s, K 8 0.173 s, and K 32 cut into three forwards of
+    8,192 tokens, 0.493 s) give 26 ms per step, 0.120 s per forward of 28 layers and 3.4 ms per
+    adapter; of a layer's 4.3 ms, 0.38 ms per adapted projection (in the same proportion as the
+    other profile's host times). The per-step part is a step's own host work (its batches, the
+    loss read back, the update), done once however many forwards the step has. Calibration
+    corrects them per (model, GPU).
     """
 
     # memory: saved elements per token and decoder layer
