@@ -24,7 +24,7 @@ import optuna
 
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.config import SweepConfig
-from plora_hpo.errors import ConfigError, first_line
+from plora_hpo.errors import ConfigError, disk_full, first_line
 from plora_hpo.grid import OrderedGridSampler
 from plora_hpo.space import SearchSpace
 from plora_hpo.storage import (
@@ -310,23 +310,26 @@ class PackedObjective:
         params = adapter_params(self.sweep, config)
         try:
             outcome = self.sweep.submit(trial_request(trial, self.task, config, self.pruning)).wait()
-        except TrialInterrupted:
-            # the sweep stopped (closed, preempted, a full disk): any process serving the study resumes it
+            if outcome.pruned:
+                record_outcome(trial, outcome, params)
+                raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at} ({outcome.value:.4f})")
+            if outcome.failed:
+                # Returning NaN makes Optuna mark just this trial FAIL (with a warning) and go on;
+                # raising would stop study.optimize(catch=()) and with it the trials still to run.
+                record_failure(trial, outcome)
+            else:
+                record_outcome(trial, outcome, params)
+        except Exception as err:
+            # The sweep stopped (closed, preempted) or a disk filled, here or in what recorded the
+            # trial: any process serving the study resumes it. A FAIL would count as done.
+            if not isinstance(err, TrialInterrupted) and disk_full(err) is None:
+                raise
             try:
                 trial.set_user_attr("interrupted", True)
                 requeue(trial.study, trial.study._storage.get_trial(trial._trial_id))
-            except Exception as err:  # the storage refused too (full): the trial stays RUNNING, a rerun recovers it
-                log.info("trial %d: cannot queue its retry (%s)", trial.number, first_line(err))
+            except Exception as refused:  # the storage refused too (full): the trial stays RUNNING, a rerun recovers it
+                log.info("trial %d: cannot queue its retry (%s)", trial.number, first_line(refused))
             raise
-        if outcome.pruned:
-            record_outcome(trial, outcome, params)
-            raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at} ({outcome.value:.4f})")
-        if outcome.failed:
-            # Returning NaN makes Optuna mark just this trial FAIL (with a warning) and go on;
-            # raising would stop study.optimize(catch=()) and with it the trials still to run.
-            record_failure(trial, outcome)
-            return trial_values(self.sweep.config, outcome, params)
-        record_outcome(trial, outcome, params)
         return trial_values(self.sweep.config, outcome, params)
 
 

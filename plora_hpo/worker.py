@@ -49,7 +49,7 @@ from plora_hpo.checkpoints import NoSpaceLeft, as_no_space_left
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import peft_adapter_files
-from plora_hpo.errors import CheckpointError, first_line
+from plora_hpo.errors import CheckpointError, disk_full, first_line
 from plora_hpo.job_thread import JobThread
 from plora_hpo.pacing import SharePacer
 from plora_hpo.pack_group import STOP, GroupFailed
@@ -185,6 +185,9 @@ class DeviceWorker:
         # needs, and page-locked buffers freed by written copies are what the next copies reuse
         self.finisher = JobThread(f"plora-{self.name}-finishing", FINISHING_QUEUE_BYTES)
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
+        # the first full disk a finished trial's record met: the records queued behind it resume
+        # their trials without writing (each write would fill the disk again, under the stores' writes)
+        self.full_disk: NoSpaceLeft | None = None
         self.parked: deque[tuple[TrialTicket, AdapterState | None]] = deque()  # waiting to (re)join
         self._thread = threading.Thread(target=self._serve, name=f"plora-{self.name}", daemon=True)
 
@@ -813,6 +816,8 @@ class _Pack:
         to resume from its checkpoint when the disk is full) and is raised for the training loop.
         """
         try:
+            if self.worker.full_disk is not None:
+                raise NoSpaceLeft(str(self.worker.full_disk))
             try:
                 with phase("export"):
                     adapter_dir = write()
@@ -822,8 +827,18 @@ class _Pack:
                     raise
                 raise full from err
             with phase("mlflow"):
-                adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
+                try:
+                    adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
+                except Exception as err:  # a full tracking store resumes the trial as a full adapter disk does
+                    if disk_full(err) is None:
+                        raise
+                    raise NoSpaceLeft(
+                        f"no space left for the MLflow run of a finished trial ({first_line(err)}); free space or "
+                        "move the run directory, then rerun the same command: it resumes from the last checkpoints"
+                    ) from err
         except BaseException as err:
+            if isinstance(err, NoSpaceLeft) and self.worker.full_disk is None:
+                self.worker.full_disk = err
             with contextlib.suppress(Exception):  # the first error is the one to report
                 if isinstance(err, NoSpaceLeft):
                     self.reporter.trial_interrupted(slot)

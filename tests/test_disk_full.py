@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
+from pathlib import Path
 
 import optuna
 import pytest
@@ -74,7 +76,10 @@ def test_a_disk_that_fills_while_a_finished_adapter_is_written_stops_the_sweep_t
     filler = small_disk / "filler"
     real_write = PeftAdapterFiles.write
 
+    writes: list[Path] = []
+
     def write_onto_a_full_disk(self, directory):  # fault injection: the disk fills just before the first write
+        writes.append(directory)
         if not filler.exists():
             filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - (1 << 20)))  # 1 MB left
         return real_write(self, directory)
@@ -84,9 +89,14 @@ def test_a_disk_that_fills_while_a_finished_adapter_is_written_stops_the_sweep_t
     out = capsys.readouterr()
     assert code == 2, out.err[-3000:]
     errors = [line for line in out.err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "no space left" in errors[0] and "finished adapter" in errors[0], out.err[-3000:]
+    # mostly it names the finished adapter; a database write that meets the disk while the adapter's
+    # partial file fills it names the database instead (the same stop, the same rerun)
+    assert len(errors) == 1 and "no space left" in errors[0], out.err[-3000:]
     assert "Traceback" not in out.err + out.out
     assert not [p for p in (run_dir / "adapters").iterdir() if p.name.startswith(".")]  # no half-written adapter
+    # the records behind the failed one resumed their trials without writing: each write would have
+    # filled the disk again while the stores wrote the trials' retries
+    assert len(writes) == 1, writes
     client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
     runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
     trial_runs = [r for r in runs if "plora.trial_number" in r.data.tags]
@@ -97,5 +107,52 @@ def test_a_disk_that_fills_while_a_finished_adapter_is_written_stops_the_sweep_t
     resumed = sweep(sweep_file, run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     study = optuna.load_study(study_name="fullexport-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("store", ["mlflow", "optuna"])
+def test_a_finished_trial_whose_record_meets_a_full_database_is_trained_again(store, tmp_path, monkeypatch, capsys):
+    """SQLite says "database or disk is full" while a finished trial is recorded, in its MLflow run
+    or in its Optuna trial (the other writers can fill a disk first): the sweep stops with one
+    line, that trial is queued to resume like the rest (not FAILED, which a rerun would count as
+    done), and a rerun finishes every grid point."""
+    from plora_hpo import study as study_module
+    from plora_hpo.cli import main
+    from plora_hpo.reporting import MlflowReporter
+
+    sweep_file = small_sweep(tmp_path, name="fulldb", budget={"steps": 4}, train={"checkpoint_every": 2})
+    run_dir = tmp_path / "runs"
+    failed: list[int] = []
+
+    def full_once(record, number_of):  # fault injection: the first record meets a full database
+        def recording(*args, **kwargs):
+            if not failed:
+                failed.append(number_of(*args))
+                raise sqlite3.OperationalError("database or disk is full")
+            return record(*args, **kwargs)
+
+        return recording
+
+    if store == "mlflow":
+        recording = full_once(MlflowReporter.trial_completed, lambda reporter, slot, *_: slot.request.number)
+        monkeypatch.setattr(MlflowReporter, "trial_completed", recording)
+    else:
+        recording = full_once(study_module.record_outcome, lambda trial, *_: trial.number)
+        monkeypatch.setattr(study_module, "record_outcome", recording)
+    code = main(["sweep", str(sweep_file), "--run-dir", str(run_dir)])
+    out = capsys.readouterr()
+    assert code == 2, out.err[-3000:]
+    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left" in errors[0], out.err[-3000:]
+    assert "Traceback" not in out.err + out.out
+    study = optuna.load_study(study_name="fulldb-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    (original,) = [t for t in study.trials if t.number == failed[0]]
+    assert original.user_attrs.get("interrupted") is True  # queued again, not a failure to keep
+
+    monkeypatch.undo()
+    resumed = sweep(sweep_file, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    study = optuna.load_study(study_name="fulldb-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
     done = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]
