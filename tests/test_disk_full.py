@@ -41,6 +41,28 @@ def sweep(sweep_file, run_dir) -> subprocess.CompletedProcess:
     )
 
 
+def stops_with_one_line(sweep_file, run_dir, capsys) -> str:
+    """Run the sweep in this process (where the faults are injected): exit 2, one ``error: no space
+    left`` line, no traceback. Returns that line."""
+    from plora_hpo.cli import main
+
+    code = main(["sweep", str(sweep_file), "--run-dir", str(run_dir)])
+    out = capsys.readouterr()
+    assert code == 2, out.err[-3000:]
+    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "no space left" in errors[0], out.err[-3000:]
+    assert "Traceback" not in out.err + out.out
+    return errors[0]
+
+
+def rerun_trains_every_grid_point(sweep_file, run_dir, study_name: str) -> None:
+    resumed = sweep(sweep_file, run_dir)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    study = optuna.load_study(study_name=study_name, storage=f"sqlite:///{run_dir / 'optuna.db'}")
+    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]  # each grid point once
+
+
 def test_a_full_disk_stops_with_one_line_and_a_rerun_with_room_finishes(tmp_path, small_disk):
     sweep_file = small_sweep(tmp_path, name="full", budget={"steps": 6}, train={"checkpoint_every": 2})
     run_dir = small_disk / "runs"
@@ -54,11 +76,7 @@ def test_a_full_disk_stops_with_one_line_and_a_rerun_with_room_finishes(tmp_path
     assert "Traceback" not in stopped.stderr + stopped.stdout
 
     filler.unlink()
-    resumed = sweep(sweep_file, run_dir)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    study = optuna.load_study(study_name="full-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
-    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]  # each grid point once
+    rerun_trains_every_grid_point(sweep_file, run_dir, "full-synthetic")
 
 
 def test_a_disk_that_fills_while_a_finished_adapter_is_written_stops_the_sweep_the_same_way(
@@ -68,14 +86,12 @@ def test_a_disk_that_fills_while_a_finished_adapter_is_written_stops_the_sweep_t
     sweep with one line, leaves no half-written adapter and no FAILED run, and a rerun finishes."""
     from mlflow.tracking import MlflowClient
 
-    from plora_hpo.cli import main
     from plora_hpo.engine.export import PeftAdapterFiles
 
     sweep_file = small_sweep(tmp_path, name="fullexport", budget={"steps": 4}, train={"checkpoint_every": 2})
     run_dir = small_disk / "runs"
     filler = small_disk / "filler"
     real_write = PeftAdapterFiles.write
-
     writes: list[Path] = []
 
     def write_onto_a_full_disk(self, directory):  # fault injection: the disk fills just before the first write
@@ -85,14 +101,9 @@ def test_a_disk_that_fills_while_a_finished_adapter_is_written_stops_the_sweep_t
         return real_write(self, directory)
 
     monkeypatch.setattr(PeftAdapterFiles, "write", write_onto_a_full_disk)
-    code = main(["sweep", str(sweep_file), "--run-dir", str(run_dir)])
-    out = capsys.readouterr()
-    assert code == 2, out.err[-3000:]
-    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
-    # mostly it names the finished adapter; a database write that meets the disk while the adapter's
-    # partial file fills it names the database instead (the same stop, the same rerun)
-    assert len(errors) == 1 and "no space left" in errors[0], out.err[-3000:]
-    assert "Traceback" not in out.err + out.out
+    # mostly the line names the finished adapter; a database write that meets the disk while the
+    # adapter's partial file fills it names the database instead (the same stop, the same rerun)
+    stops_with_one_line(sweep_file, run_dir, capsys)
     assert not [p for p in (run_dir / "adapters").iterdir() if p.name.startswith(".")]  # no half-written adapter
     # the records behind the failed one resumed their trials without writing: each write would have
     # filled the disk again while the stores wrote the trials' retries
@@ -104,11 +115,7 @@ def test_a_disk_that_fills_while_a_finished_adapter_is_written_stops_the_sweep_t
 
     monkeypatch.undo()
     filler.unlink()
-    resumed = sweep(sweep_file, run_dir)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    study = optuna.load_study(study_name="fullexport-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
-    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]
+    rerun_trains_every_grid_point(sweep_file, run_dir, "fullexport-synthetic")
 
 
 @pytest.mark.parametrize("store", ["mlflow", "optuna"])
@@ -118,7 +125,6 @@ def test_a_finished_trial_whose_record_meets_a_full_database_is_trained_again(st
     line, that trial is queued to resume like the rest (not FAILED, which a rerun would count as
     done), and a rerun finishes every grid point."""
     from plora_hpo import study as study_module
-    from plora_hpo.cli import main
     from plora_hpo.reporting import MlflowReporter
 
     sweep_file = small_sweep(tmp_path, name="fulldb", budget={"steps": 4}, train={"checkpoint_every": 2})
@@ -140,19 +146,10 @@ def test_a_finished_trial_whose_record_meets_a_full_database_is_trained_again(st
     else:
         recording = full_once(study_module.record_outcome, lambda trial, *_: trial.number)
         monkeypatch.setattr(study_module, "record_outcome", recording)
-    code = main(["sweep", str(sweep_file), "--run-dir", str(run_dir)])
-    out = capsys.readouterr()
-    assert code == 2, out.err[-3000:]
-    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "no space left" in errors[0], out.err[-3000:]
-    assert "Traceback" not in out.err + out.out
+    stops_with_one_line(sweep_file, run_dir, capsys)
     study = optuna.load_study(study_name="fulldb-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
     (original,) = [t for t in study.trials if t.number == failed[0]]
     assert original.user_attrs.get("interrupted") is True  # queued again, not a failure to keep
 
     monkeypatch.undo()
-    resumed = sweep(sweep_file, run_dir)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    study = optuna.load_study(study_name="fulldb-synthetic", storage=f"sqlite:///{run_dir / 'optuna.db'}")
-    done = [t for t in study.trials if t.state == TrialState.COMPLETE]
-    assert sorted(t.system_attrs["grid_id"] for t in done) == [0, 1, 2, 3]
+    rerun_trains_every_grid_point(sweep_file, run_dir, "fulldb-synthetic")
