@@ -324,17 +324,17 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     trains = [e for e in events if e["phase"] == "train"]
     steps = [e["end"] - e["start"] for e in trains]
     warm = sorted(steps[2:]) if len(steps) > 3 else sorted(steps)
+    median = warm[len(warm) // 2] if warm else None
     compiles = []  # kernels compiled one by one on the worker's thread, and the training step they were in
     for e in events:
         if e["phase"] == "triton-compile":
             step = next((i for i, t in enumerate(trains) if t["start"] <= e["start"] <= t["end"]), None)
             compiles.append({"kernel": e.get("kernel"), "at_s": round(e["start"] - start, 3),
                              "seconds": round(e["end"] - e["start"], 3), "train_step": step})  # fmt: skip
-    median = sorted(steps)[len(steps) // 2] if steps else 0.0
     slow = [  # what made a step take more than twice the median: kernels compiled, allocator retries
         {"train_step": i, "seconds": round(d, 3), "alloc_retries": trains[i].get("alloc_retries"),
          "compiled": [c["kernel"] for c in compiles if c["train_step"] == i]}
-        for i, d in enumerate(steps) if d > 2 * median
+        for i, d in enumerate(steps) if median is not None and d > 2 * median
     ]  # fmt: skip
     return {
         "wall_s": wall,
@@ -348,7 +348,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "triton_compiles": compiles,
         "slow_steps": slow,
         "train_steps": len(steps),
-        "step_seconds_median": warm[len(warm) // 2] if warm else None,
+        "step_seconds_median": median,
         "step_seconds_first": steps[0] if steps else None,
         "note": "exclusive wall seconds of the worker thread by innermost phase; 'loop' = in a pack, no phase; "
         "'startup' = process start to the worker's first phase (imports, input checks, model and data, "

@@ -33,13 +33,15 @@ def disk_has_room(directory: Path, needed: int = 1 << 20) -> bool:
     return shutil.disk_usage(directory).free >= needed
 
 
-def as_no_space_left(err: BaseException, directory: Path, what: str) -> NoSpaceLeft | None:
+def as_no_space_left(err: BaseException, directory: Path | None, what: str) -> NoSpaceLeft | None:
     """``err``, raised writing ``what`` under ``directory``, as :class:`NoSpaceLeft` if that file
-    system is full, else None."""
-    if disk_full(err) is None and disk_has_room(directory):
+    system is full, else None. Without a directory (a store that may live anywhere) only what
+    ``err`` says counts."""
+    if disk_full(err) is None and (directory is None or disk_has_room(directory)):
         return None
+    where = "" if directory is None else f" on the device of {directory}"
     return NoSpaceLeft(
-        f"no space left on the device of {directory} for {what} ({first_line(err)}); free space or move "
+        f"no space left{where} for {what} ({first_line(err)}); free space or move "
         "the run directory, then rerun the same command: it resumes from the last checkpoints"
     )
 

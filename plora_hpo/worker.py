@@ -49,7 +49,7 @@ from plora_hpo.checkpoints import NoSpaceLeft, as_no_space_left
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
 from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
 from plora_hpo.engine.export import peft_adapter_files
-from plora_hpo.errors import CheckpointError, disk_full, first_line
+from plora_hpo.errors import CheckpointError, first_line
 from plora_hpo.job_thread import JobThread
 from plora_hpo.pacing import SharePacer
 from plora_hpo.pack_group import STOP, GroupFailed
@@ -818,24 +818,20 @@ class _Pack:
         try:
             if self.worker.full_disk is not None:
                 raise NoSpaceLeft(str(self.worker.full_disk))
+            where: Path | None = self.worker.adapter_root
+            what = "a finished adapter"
             try:
                 with phase("export"):
                     adapter_dir = write()
+                # a full tracking store resumes the trial as a full adapter disk does; it may live anywhere
+                where, what = None, "the MLflow run of a finished trial"
+                with phase("mlflow"):
+                    adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
             except Exception as err:
-                full = as_no_space_left(err, self.worker.adapter_root, "a finished adapter")
+                full = as_no_space_left(err, where, what)
                 if full is None:
                     raise
                 raise full from err
-            with phase("mlflow"):
-                try:
-                    adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
-                except Exception as err:  # a full tracking store resumes the trial as a full adapter disk does
-                    if disk_full(err) is None:
-                        raise
-                    raise NoSpaceLeft(
-                        f"no space left for the MLflow run of a finished trial ({first_line(err)}); free space or "
-                        "move the run directory, then rerun the same command: it resumes from the last checkpoints"
-                    ) from err
         except BaseException as err:
             if isinstance(err, NoSpaceLeft) and self.worker.full_disk is None:
                 self.worker.full_disk = err
