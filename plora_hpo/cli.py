@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from plora_hpo.errors import PloraError, disk_full
-from plora_hpo.local_workers import AWAIT_ARGUMENTS, LocalWorkers, await_arguments
+from plora_hpo.local_workers import AWAIT_ARGUMENTS, LocalWorkers, await_arguments, report_done
 from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
 from plora_hpo.trials import TrialInterrupted
 
@@ -405,14 +405,18 @@ def entry(argv: list[str] | None = None) -> NoReturn:
     the modules of torch, transformers, lm-eval and MLflow one object at a time: a second or
     more per process, which a sweep would wait for in each worker process and then in its own.
     A thread that is not a daemon (a caller's, say) gets the ordinary exit, which waits for it.
+    A sweep's own worker process tells the sweep its code first (:func:`report_done`), so the
+    sweep closes while this process exits.
     """
     code = main(argv)
     others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
-    if others:
-        sys.exit(code)
-    logging.shutdown()
+    if not others:
+        logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
+    report_done(code)
+    if others:
+        sys.exit(code)
     os._exit(code)
 
 

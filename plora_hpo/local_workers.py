@@ -12,6 +12,13 @@ Settings the sweep's checks then reject cost nothing but the load: a load that f
 and a sweep that stops before giving a study ends its workers (:meth:`LocalWorkers.stop`); one
 that dies takes them with it (``PR_SET_PDEATHSIG``).
 
+A worker process tells the sweep it is done — its trials finished or handed back, its records
+and MLflow runs closed — on a pipe of its own, with the exit code it is about to exit with
+(:func:`report_done`): the sweep then closes (merges the pack records, draws the chart, logs the
+summary) while the process exits, which for a CUDA process (freeing its GPU) takes about a second,
+and only then waits for the exit (:meth:`LocalWorkers.reap`). A process that dies reports nothing:
+the end of its pipe says so, and its exit status is the code.
+
 Each process sees only its GPU (``CUDA_VISIBLE_DEVICES``) or, on the CPU, its share of the
 cores; with ``degree`` > 1, each ``degree`` consecutive devices form one tensor-parallel group
 with a rendezvous port of its own, set in the environment the way ``torchrun`` sets it.
@@ -46,6 +53,34 @@ AWAIT_ARGUMENTS = "--await-arguments"
 """``plora-hpo worker --await-arguments``: import first, then read the worker's arguments from stdin."""
 AWAIT_STUDY_PHASE = "await-study"
 """The timeline's phase of a worker process that loaded ahead and waits for its study."""
+DONE_FD_ENV = "PLORA_HPO_DONE_FD"
+"""Environment of a sweep's own worker process: the pipe it reports its exit code on."""
+
+_done_fd: int | None = None  # in a sweep's own worker process: that pipe, taken out of the environment
+
+
+def report_done(code: int) -> None:
+    """In a sweep's own worker process, once everything it opened is closed: tell the sweep the
+    exit code it is about to exit with (nothing in any other process)."""
+    global _done_fd
+    if _done_fd is None:
+        return
+    with contextlib.suppress(OSError):  # a sweep that is gone reads nothing
+        os.write(_done_fd, f"{code}\n".encode())
+        os.close(_done_fd)
+    _done_fd = None
+
+
+def _read_done(fd: int) -> int | None:
+    """The exit code a worker process reported on its pipe, or None if it closed without one (died)."""
+    data = b""
+    while not data.endswith(b"\n") and (chunk := os.read(fd, 64)):
+        data += chunk
+    os.close(fd)
+    try:
+        return int(data)
+    except ValueError:
+        return None
 
 
 def await_arguments() -> tuple[list[str], Replica | None]:
@@ -56,6 +91,9 @@ def await_arguments() -> tuple[list[str], Replica | None]:
     loading failed); exits quietly when the sweep closes stdin first (it stopped before it had a
     study to give).
     """
+    global _done_fd
+    if (fd := os.environ.pop(DONE_FD_ENV, None)) is not None:  # not for the processes this one starts
+        _done_fd = int(fd)
     import lm_eval.evaluator  # noqa: F401  (the imports this process would make anyway, done while it waits)
     import mlflow.tracking  # noqa: F401
 
@@ -137,6 +175,8 @@ class LocalWorkers:
         self.assigned = list(devices)
         self.devices: list[str] = []  # each process's device, as it names it
         self.processes: list[subprocess.Popen] = []
+        self._done: list[int] = []  # the read end of each process's pipe to report_done()
+        self._reported: list[subprocess.Popen] = []  # done serving, exiting
         self._given = False
         port = 0
         try:
@@ -154,9 +194,20 @@ class LocalWorkers:
                 elif "OMP_NUM_THREADS" not in env:
                     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // cpu_workers))
                 command = [sys.executable, "-m", "plora_hpo.cli", "worker", AWAIT_ARGUMENTS]
-                process = subprocess.Popen(
-                    command, env=env, stdin=subprocess.PIPE, text=True, preexec_fn=_die_with_parent
-                )
+                done, child_end = os.pipe()
+                self._done.append(done)
+                env[DONE_FD_ENV] = str(child_end)
+                try:
+                    process = subprocess.Popen(
+                        command,
+                        env=env,
+                        stdin=subprocess.PIPE,
+                        text=True,
+                        preexec_fn=_die_with_parent,
+                        pass_fds=(child_end,),
+                    )
+                finally:
+                    os.close(child_end)  # the child's copy alone keeps the pipe open
                 self.processes.append(process)
                 self.devices.append(device)
                 if preload is not None and degree == 1:
@@ -197,10 +248,30 @@ class LocalWorkers:
         self._given = True
         return self.processes
 
+    def wait_done(self) -> list[int]:
+        """Wait until every process served its study: the exit code each reported, or for one
+        that died, its exit status. The processes may still be exiting (:meth:`reap`)."""
+        codes = []
+        for process, done in zip(self.processes, self._done, strict=True):
+            code = _read_done(done)
+            codes.append(process.wait() if code is None else code)
+            self._reported.append(process)
+        self._done = []
+        return codes
+
+    def reap(self) -> None:
+        """Wait for the processes that reported done to exit (others, still serving when the
+        sweep stopped waiting, end with it)."""
+        for process in self._reported:
+            process.wait()
+
     def stop(self) -> None:
         """End the processes if they were never given a study (the sweep stopped before)."""
         if self._given:
             return
+        for done in self._done:
+            os.close(done)
+        self._done = []
         for process in self.processes:
             if process.stdin is not None:
                 with contextlib.suppress(OSError):

@@ -17,6 +17,7 @@ import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 
 from plora_hpo.reporting import PackSegment
 
@@ -90,13 +91,22 @@ LEGEND_LINE_PT = 10
 """Height of one pack's line in the chart's legend."""
 
 
-def draw_gantt(segments: Sequence[PackSegment], path: Path, *, title: str = "") -> Path:
-    """One row per device; a bar per pack segment as it ran, a thin bar for its planned length."""
+def import_pyplot() -> ModuleType:
+    """matplotlib's pyplot, drawing to files. Its first import (fonts included) takes about a
+    second: a process that waits for others before it draws can import it while it waits."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def draw_gantt(segments: Sequence[PackSegment], path: Path, *, title: str = "") -> Path:
+    """One row per device; a bar per pack segment as it ran, a thin bar for its planned length."""
     from matplotlib.transforms import offset_copy
+
+    plt = import_pyplot()
 
     devices = sorted({s.device for s in segments})
     packs = sorted({s.pack_id for s in segments}, key=lambda p: (len(p), p))

@@ -46,7 +46,7 @@ from plora_hpo.devices import sweep_devices
 from plora_hpo.errors import ConfigError, PloraError
 from plora_hpo.local_workers import LocalWorkers
 from plora_hpo.ownership import RunDirOwner
-from plora_hpo.pack_record import gather_pack_records, shifted, write_pack_record
+from plora_hpo.pack_record import gather_pack_records, import_pyplot, shifted, write_pack_record
 from plora_hpo.preflight import check_sweep_inputs
 from plora_hpo.reporting import PackSegment
 from plora_hpo.run_state import RunState, check_resumable
@@ -153,6 +153,7 @@ class SweepRun:
         self.devices: list[str] = []
         self.worker_processes: list[subprocess.Popen] = []  # while optimize() waits for them
         self.local_workers = local_workers  # started, not yet given a study
+        self._served: list[LocalWorkers] = []  # given a study: exiting by the time close() ends
         self.pack_segments: list[PackSegment] = []
         self._opened_at: float | None = None  # Unix time: worker records from before are an earlier run's
         self._owner: RunDirOwner | None = None
@@ -341,8 +342,10 @@ class SweepRun:
             heartbeat=self.heartbeat,
         )
         self.worker_processes = procs
+        self._served.append(workers)
+        import_pyplot()  # close() draws every process's packs: ready by the time they are done
         try:
-            codes = [p.wait() for p in procs]
+            codes = workers.wait_done()
         finally:
             self.worker_processes = []
         target = study.user_attrs[N_TRIALS_ATTR]
@@ -363,8 +366,8 @@ class SweepRun:
 
     def close(self, *, status: str = "FINISHED") -> None:
         """Stop the workers (in-flight adapters are checkpointed), end the MLflow parent run with
-        ``status`` (FINISHED, FAILED, KILLED: a summary only when FINISHED) and give the run
-        directory up. Idempotent."""
+        ``status`` (FINISHED, FAILED, KILLED: a summary only when FINISHED), wait for the worker
+        processes to exit and give the run directory up. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -380,6 +383,8 @@ class SweepRun:
             finally:
                 if self.tracker is not None:
                     self.tracker.finish(status)
+                for workers in self._served:  # exiting while this process closed
+                    workers.reap()
                 self._release()
 
     def _merge_worker_records(self) -> None:

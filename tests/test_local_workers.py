@@ -1,9 +1,10 @@
 """A sweep's own worker processes: started before their study, loading ahead for it, ended when the
-sweep stops first."""
+sweep stops first, reporting their exit code before they exit."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -17,7 +18,7 @@ from plora_hpo import run as run_module
 from plora_hpo.cli import main
 from plora_hpo.config import SweepConfig, load_sweep
 from plora_hpo.errors import PloraError
-from plora_hpo.local_workers import AWAIT_ARGUMENTS, AWAIT_STUDY_PHASE, LocalWorkers
+from plora_hpo.local_workers import AWAIT_ARGUMENTS, AWAIT_STUDY_PHASE, DONE_FD_ENV, LocalWorkers
 from plora_hpo.replica import load_replica, replica_key
 from plora_hpo.run import SweepRun
 from plora_hpo.sweep import PackedSweep
@@ -50,6 +51,47 @@ def test_stop_ends_workers_never_given_a_study_and_leaves_served_ones(tmp_path):
     )
     served.stop()  # no longer the sweep's to end: it serves (here: it stops at the study that is not there)
     assert process.wait(timeout=300) == 2
+
+
+def test_served_workers_report_their_exit_code_and_a_killed_one_its_signal(tmp_path):
+    workers = LocalWorkers(["cpu", "cpu"])
+    workers.processes[1].kill()
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    workers.serve(
+        storage, "s", run_dir=tmp_path, data_dir=None, mlflow_uri=f"sqlite:///{tmp_path / 'm.db'}", heartbeat=10
+    )
+    assert workers.wait_done() == [2, -9]  # 2: the study that is not there; -9: no report, its exit status
+    workers.reap()
+    assert [p.returncode for p in workers.processes] == [2, -9]
+
+
+def test_a_worker_reports_its_exit_code_before_its_exit_waits_for_other_threads(tmp_path):
+    """What lets the sweep close while its worker processes exit: the report comes once the worker
+    is done, not once the process is gone (here a thread that is not a daemon keeps it)."""
+    read, write = os.pipe()
+    code = (
+        "import sys, threading, time\n"
+        "from plora_hpo.cli import entry\n"
+        "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        f"sys.argv = ['plora-hpo', 'worker', {AWAIT_ARGUMENTS!r}]\n"
+        "entry()\n"
+    )
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    argv = ["--storage", storage, "--study", "s", "--run-dir", str(tmp_path), "--device", "cpu"]
+    env = {**os.environ, DONE_FD_ENV: str(write)}
+    process = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, pass_fds=(write,), stdin=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    os.close(write)
+    try:
+        process.stdin.write((json.dumps(argv) + "\n").encode())
+        process.stdin.close()
+        with os.fdopen(read, "rb") as done:
+            assert done.readline() == b"2\n"  # the study that is not there
+        assert process.poll() is None  # still waiting for its thread
+    finally:
+        process.kill()
+        process.wait()
 
 
 def recorded_workers(monkeypatch) -> list[LocalWorkers]:
