@@ -65,3 +65,25 @@ def test_seq_len_truncation_keeps_the_answer(data_dir, tokenizer):
         assert len(example.input_ids) <= 48
         assert example.labels[0] == IGNORE_INDEX  # at least one prompt token stays
         assert example.num_trained_tokens > 0
+
+
+def test_lm_eval_compiles_each_prompt_template_once_and_renders_the_same_text(data_dir):
+    """Rendering a training split compiles the task's templates once, not once per document, and
+    gives what a template compiled afresh for each document gives."""
+    from lm_eval import utils
+
+    from plora_hpo.tasks._lmeval import load_task, training_pairs
+
+    task, _ = load_task(get_task("gsm8k"), data_dir)
+    before = utils.env.from_string.cache_info()
+    prompts, completions = training_pairs(task)
+    after = utils.env.from_string.cache_info()
+    assert len(prompts) == 7473
+    assert after.misses - before.misses <= 2  # doc_to_text, doc_to_target
+    assert after.hits - before.hits >= 2 * 7473 - 2
+    compile_afresh = utils.env.from_string.__wrapped__
+    docs = task.training_docs()
+    for i in (0, 1, 4000, 7472):
+        assert prompts[i] == compile_afresh(task.config.doc_to_text).render(**docs[i])
+        target = compile_afresh(task.config.doc_to_target).render(**docs[i])
+        assert completions[i] == task.config.target_delimiter + target
