@@ -15,9 +15,9 @@ that dies takes them with it (``PR_SET_PDEATHSIG``).
 A worker process tells the sweep it is done — its trials finished or handed back, its records
 and MLflow runs closed — on a pipe of its own, with the exit code it is about to exit with
 (:func:`report_done`): the sweep then closes (merges the pack records, draws the chart, logs the
-summary) while the process exits, which for a CUDA process (freeing its GPU) takes about a second,
-and only then waits for the exit (:meth:`LocalWorkers.reap`). A process that dies reports nothing:
-the end of its pipe says so, and its exit status is the code.
+summary) while the process exits (a CUDA process gives its GPU back), and only then waits for the
+exit (:meth:`LocalWorkers.reap`). A process that dies reports nothing: the end of its pipe says
+so, and its exit status is the code.
 
 Each process sees only its GPU (``CUDA_VISIBLE_DEVICES``) or, on the CPU, its share of the
 cores; with ``degree`` > 1, each ``degree`` consecutive devices form one tensor-parallel group
