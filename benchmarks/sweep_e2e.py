@@ -301,9 +301,12 @@ def read_trials(run_dir: Path, sweep_file: Path, start: float) -> list[dict]:
 
 def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
+    from plora_hpo.cli import EXIT_PHASE
+
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
     finishing = [e for e in events if e["thread"].endswith("-finishing")]
-    loading = [e for e in events if e["thread"] == "MainThread"]  # the sweep's processes' own threads
+    exits = [e for e in events if e["phase"] == EXIT_PHASE]
+    loading = [e for e in events if e["thread"] == "MainThread" and e["phase"] != EXIT_PHASE]  # processes' own
     aside = ("-checkpoints", "-finishing")  # the worker's background threads
     events = [e for e in events if e["thread"].startswith("plora-") and not e["thread"].endswith(aside)]
     if not events:
@@ -354,6 +357,15 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "background_finishing": totals(finishing),
         "triton_compiles": compiles,
         "slow_steps": slow,
+        "exits": [
+            {
+                "pid": e.get("pid"),
+                "before_end_s": round(end - e["start"], 3),
+                "teardown": e.get("teardown"),
+                "waits_for": e.get("waits_for"),
+            }
+            for e in exits
+        ],
         "train_steps": len(steps),
         "step_seconds_median": median,
         "step_seconds_first": steps[0] if steps else None,
@@ -367,7 +379,8 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "on the worker: waiting for them at a pack's end; triton_compiles: Triton kernel variants compiled on the "
         "worker's thread (not those of the compile pass, compiled on a pool), with the training step (0-based) they "
         "were in; slow_steps: training steps over twice the median, with the kernels compiled in them and the "
-        "caching allocator's retries during them (alloc_retries, CUDA only)",
+        "caching allocator's retries during them (alloc_retries, CUDA only); exits: each plora-hpo process about to "
+        "exit, how long before the sweep's end, whether it took Python's teardown and which threads that waited for",
     }
 
 
@@ -892,6 +905,10 @@ def print_table(result: dict) -> None:
         slow = [f"{x['train_step']} ({x['seconds']:.2f} s, compiled {len(x['compiled'])}, "
                 f"allocator retries {x['alloc_retries']})" for x in tl.get("slow_steps", [])[:8]]  # fmt: skip
         print("steps over twice the median:", "; ".join(slow) or "none")
+        exits = [f"pid {x['pid']} {x['before_end_s']:.2f} s before the end"
+                 f"{', teardown waiting for ' + ', '.join(x['waits_for']) if x['teardown'] else ''}"
+                 for x in tl.get("exits", [])]  # fmt: skip
+        print("process exits:", "; ".join(exits) or "not recorded")
     again = result.get("sweep_again")
     if again:
         seconds = (again.get("timeline") or {}).get("seconds", {})

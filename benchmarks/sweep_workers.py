@@ -183,9 +183,10 @@ def main(argv=None) -> None:
             tl = run.get("timeline") or {}
             if "seconds" in tl:
                 sec = tl["seconds"]
+                exits = " and ".join(f"{x['before_end_s']:.2f}" for x in tl.get("exits", [])) or "-"
                 print(f"  {name}: startup {sec.get('startup', 0):.1f} s ({fmt(tl['startup_phases'])}), "
-                      f"shutdown {sec.get('shutdown', 0):.1f} s ({fmt(tl['shutdown_phases'])}), "
-                      f"train {sec.get('train', 0):.1f} s")  # fmt: skip
+                      f"shutdown {sec.get('shutdown', 0):.1f} s ({fmt(tl['shutdown_phases'])}; "
+                      f"processes exit {exits} s before the end), train {sec.get('train', 0):.1f} s")  # fmt: skip
     if "scaling" in result:
         print(f"scaling processes@{len(gpus)} over processes@1: {result['scaling']:.2f}x")
     print(f"json: {path}")

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 from plora_hpo.errors import PloraError, disk_full
 from plora_hpo.local_workers import AWAIT_ARGUMENTS, LocalWorkers, await_arguments, report_done
 from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
+from plora_hpo.timeline import record
 from plora_hpo.trials import TrialInterrupted
 
 if TYPE_CHECKING:
@@ -109,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+EXIT_PHASE = "exit"
+"""The timeline's record of a ``plora-hpo`` process about to exit: whether it takes Python's
+teardown (``teardown``) and which threads that waits for (``waits_for``)."""
 
 
 class Preemption:
@@ -410,6 +414,8 @@ def entry(argv: list[str] | None = None) -> NoReturn:
     """
     code = main(argv)
     others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    now = time.time()  # on the timeline (when on): how this process exits, and which threads it waits for
+    record(EXIT_PHASE, now, now, pid=os.getpid(), teardown=bool(others), waits_for=[t.name for t in others])
     if not others:
         logging.shutdown()
     sys.stdout.flush()

@@ -15,7 +15,7 @@ from transformers import AutoConfig
 
 from plora_hpo import cli as cli_module
 from plora_hpo import run as run_module
-from plora_hpo.cli import main
+from plora_hpo.cli import EXIT_PHASE, main
 from plora_hpo.config import SweepConfig, load_sweep
 from plora_hpo.errors import PloraError
 from plora_hpo.local_workers import AWAIT_ARGUMENTS, AWAIT_STUDY_PHASE, DONE_FD_ENV, LocalWorkers
@@ -67,18 +67,20 @@ def test_served_workers_report_their_exit_code_and_a_killed_one_its_signal(tmp_p
 
 def test_a_worker_reports_its_exit_code_before_its_exit_waits_for_other_threads(tmp_path):
     """What lets the sweep close while its worker processes exit: the report comes once the worker
-    is done, not once the process is gone (here a thread that is not a daemon keeps it)."""
+    is done, not once the process is gone (here a thread that is not a daemon keeps it). The
+    timeline says which exit it takes and what it waits for."""
     read, write = os.pipe()
     code = (
         "import sys, threading, time\n"
         "from plora_hpo.cli import entry\n"
-        "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+        "threading.Thread(target=time.sleep, args=(60,), name='callers-thread').start()\n"
         f"sys.argv = ['plora-hpo', 'worker', {AWAIT_ARGUMENTS!r}]\n"
         "entry()\n"
     )
     storage = f"sqlite:///{tmp_path / 'optuna.db'}"
     argv = ["--storage", storage, "--study", "s", "--run-dir", str(tmp_path), "--device", "cpu"]
-    env = {**os.environ, DONE_FD_ENV: str(write)}
+    timeline = tmp_path / "timeline.jsonl"
+    env = {**os.environ, DONE_FD_ENV: str(write), ENV: str(timeline)}
     process = subprocess.Popen(
         [sys.executable, "-c", code], env=env, pass_fds=(write,), stdin=subprocess.PIPE, stderr=subprocess.PIPE
     )
@@ -89,9 +91,26 @@ def test_a_worker_reports_its_exit_code_before_its_exit_waits_for_other_threads(
         with os.fdopen(read, "rb") as done:
             assert done.readline() == b"2\n"  # the study that is not there
         assert process.poll() is None  # still waiting for its thread
+        [exit_record] = [e for e in map(json.loads, timeline.read_text().splitlines()) if e["phase"] == EXIT_PHASE]
+        assert (exit_record["pid"], exit_record["teardown"]) == (process.pid, True)
+        assert exit_record["waits_for"] == ["callers-thread"]
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_command_without_other_threads_exits_without_python_s_teardown(tmp_path):
+    timeline = tmp_path / "timeline.jsonl"
+    done = subprocess.run(
+        [sys.executable, "-m", "plora_hpo.cli", "results", str(tmp_path / "no-such-sweep.yaml")],
+        env={**os.environ, ENV: str(timeline)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 2 and "no such sweep file" in done.stderr
+    [exit_record] = [e for e in map(json.loads, timeline.read_text().splitlines()) if e["phase"] == EXIT_PHASE]
+    assert (exit_record["teardown"], exit_record["waits_for"]) == (False, [])
 
 
 def recorded_workers(monkeypatch) -> list[LocalWorkers]:
