@@ -1079,10 +1079,15 @@ def main(argv=None) -> None:
         if args.again and trials:
             wall = result["sweep"]["wall_s"]
             if left() > wall + 30:
-                result["sweep_again"] = run_sweep(
-                    args, sweep_file, work / "runs-again", sampler, min(args.sweep_timeout_s, left()), "sweep-again"
-                )
-                result["sweep_again"].pop("events", None)  # its phases are in sweep-again.timeline.jsonl
+                try:
+                    again = run_sweep(
+                        args, sweep_file, work / "runs-again", sampler, min(args.sweep_timeout_s, left()), "sweep-again"
+                    )
+                    again.pop("events", None)  # its phases are in sweep-again.timeline.jsonl
+                except subprocess.TimeoutExpired as exc:
+                    error = f"still running after {exc.timeout:.0f}s"
+                    again = {"returncode": "timeout", "wall_s": None, "error": error}
+                result["sweep_again"] = again
                 save()
             else:
                 skipped.append(f"sweep_again: {left():.0f}s of the budget left, ~{wall:.0f}s needed")
