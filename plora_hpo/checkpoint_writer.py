@@ -5,8 +5,9 @@ caller's :func:`~plora_hpo.engine.adapter_state.capture`); serialising and writi
 for a large adapter — overlaps the next steps. Saves and deletes of a lineage happen in the
 order they were asked for, so a finished trial's delete never races its last save.
 
-Host memory is bounded: a save waits while more than ``max_queued_bytes`` of states are queued
-(the device's checkpoint share then counts the wait, and the pacer saves less often). A failed
+Host memory is bounded: a save waits while more than ``max_queued_bytes`` of states are queued.
+The training loop asks :meth:`~plora_hpo.job_thread.JobThread.has_room` first and takes a save
+that would wait at a later step instead. A failed
 write (a full disk) is raised in the training loop at its next save or :meth:`flush`;
 the saves queued behind it are dropped (each lineage keeps its previous file), deletes still run.
 

@@ -45,6 +45,11 @@ class JobThread:
             self._wait_for_room(nbytes)
             self._put(job, nbytes)
 
+    def has_room(self, nbytes: int) -> bool:
+        """Whether a job of ``nbytes`` would be queued now without waiting (see the class)."""
+        with self._changed:
+            return not self._must_wait(nbytes)
+
     def raise_failure(self) -> None:
         """Raise the first error a job raised since the last look, if any (once); waits for nothing."""
         with self._changed:
@@ -60,10 +65,13 @@ class JobThread:
     # --- for subclasses, with the lock (``self._changed``) held ------------------------------------
     def _wait_for_room(self, nbytes: int, *, raising: bool = False) -> None:
         """Wait while ``nbytes`` more would exceed the bound; ``raising``: a failure ends the wait."""
-        while self.queued_bytes and self.queued_bytes + nbytes > self.max_queued_bytes:
+        while self._must_wait(nbytes):
             self._changed.wait()
             if raising:
                 self._raise_failure()
+
+    def _must_wait(self, nbytes: int) -> bool:
+        return bool(self.queued_bytes) and self.queued_bytes + nbytes > self.max_queued_bytes
 
     def _put(self, job: Callable[[], object], nbytes: int) -> None:
         self._jobs.append((job, nbytes))

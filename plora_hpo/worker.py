@@ -47,7 +47,14 @@ from plora_hpo.admission import AdmissionPolicy, Candidate, Room
 from plora_hpo.checkpoint_writer import CheckpointWriter
 from plora_hpo.checkpoints import NoSpaceLeft, as_no_space_left
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer, StepReport
-from plora_hpo.engine.adapter_state import AdapterState, abort_step, capture, restore, stream_positions
+from plora_hpo.engine.adapter_state import (
+    AdapterState,
+    abort_step,
+    capture,
+    capture_bytes_bound,
+    restore,
+    stream_positions,
+)
 from plora_hpo.engine.export import peft_adapter_files
 from plora_hpo.errors import CheckpointError, first_line
 from plora_hpo.job_thread import JobThread
@@ -392,6 +399,7 @@ class _Pack:
         self._segment: PackSegment | None = None
         self._joined: list[str] = []
         self._reported_at = time.monotonic()
+        self._saves_due: dict[str, None] = {}  # adapters whose checkpoint fell due, in order, not yet saved
 
     # --- engine calls (made by every rank of a tensor-parallel group) ---------------------------
     @_replayed
@@ -744,20 +752,33 @@ class _Pack:
         """A few times over each adapter's steps (``train.checkpoint_every``). A checkpoint is the
         adapter's fp32 weights and AdamW moments (12 bytes per LoRA parameter), copied to the
         host and written to disk, so the interval trades lost work against I/O; with the
-        automatic interval the pacer also caps the device's share of time spent writing."""
+        automatic interval the pacer also caps the device's share of time spent writing.
+
+        A due save whose copy would not fit in the writer's queue (its host-memory bound) waits
+        for a later step instead of stopping the loop until the writes ahead of it are on disk:
+        the pack trains on meanwhile, and the save copies the adapter as it is then."""
         train = self.config.train
         for adapter_id in adapter_ids:
             step = self.trainer.steps_done[adapter_id]
             every = train.checkpoint_interval(self.trainer.jobs[adapter_id].total_steps)
-            if step % every or self.trainer.is_done(adapter_id):
+            if not step % every and not self.trainer.is_done(adapter_id):
+                self._saves_due[adapter_id] = None
+        for adapter_id in list(self._saves_due):  # in the order they fell due
+            if adapter_id not in self.trainer.jobs or self.trainer.is_done(adapter_id):
+                del self._saves_due[adapter_id]  # left the pack, or finished: nothing to resume
                 continue
             size = sum(p.numel() for p in self.worker.packed.parameters_of(adapter_id))
-            if train.checkpoint_every is not None or self.worker.pacer.affordable(size):
-                slot = self.slots[adapter_id]
-                started = time.monotonic()
-                state = self.capture_state(adapter_id, slot.curve)
-                self.worker.save_checkpoint(slot.request, state, {"run_id": slot.run_id, "adapter_id": adapter_id})
-                self.worker.pacer.record(size, time.monotonic() - started)
+            if train.checkpoint_every is None and not self.worker.pacer.affordable(size):
+                del self._saves_due[adapter_id]  # over the share: this one is skipped
+                continue
+            if not self.worker.writer.has_room(capture_bytes_bound(self.trainer, adapter_id)):
+                return  # the writer frees room as it writes; the next step asks again
+            del self._saves_due[adapter_id]
+            slot = self.slots[adapter_id]
+            started = time.monotonic()
+            state = self.capture_state(adapter_id, slot.curve)
+            self.worker.save_checkpoint(slot.request, state, {"run_id": slot.run_id, "adapter_id": adapter_id})
+            self.worker.pacer.record(size, time.monotonic() - started)
 
     def _metric(self, task: str) -> str:
         return self.worker.resources.tasks[task].metric

@@ -90,6 +90,19 @@ def test_a_save_waits_while_the_queue_holds_too_many_bytes(tmp_path):
     assert [store.load(i)[0].steps_done for i in (1, 2, 3)] == [1, 2, 3]
 
 
+def test_has_room_says_whether_a_save_would_wait(tmp_path):
+    store = GatedStore(tmp_path)
+    one = state(1, n=1024)
+    writer = CheckpointWriter("test", max_queued_bytes=2 * state_bytes(one))
+    assert writer.has_room(10 * state_bytes(one))  # nothing queued: any size goes in (and waits for nothing)
+    writer.save(store, 1, one, {})  # held at the gate, its bytes still queued
+    assert writer.has_room(state_bytes(one))
+    assert not writer.has_room(state_bytes(one) + 1)
+    store.gate.set()
+    writer.flush()
+    assert writer.has_room(10 * state_bytes(one))
+
+
 def test_writes_show_on_the_timeline_as_the_writer_thread_s_own_phase(tmp_path, monkeypatch):
     import json
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from pathlib import Path
 
 import optuna
@@ -165,6 +166,48 @@ def test_the_pack_trains_on_while_its_finished_trials_are_recorded(tmp_path, mon
     for t in trials:
         assert (Path(t.user_attrs["adapter_dir"]) / "adapter_model.safetensors").is_file()
         assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
+
+
+def test_a_checkpoint_that_finds_the_writer_s_queue_full_waits_for_a_later_step(tmp_path, monkeypatch):
+    """A slow disk holds the first save's write; the second adapter's save, due at the same step,
+    does not fit in the writer's queue. The pack trains on, and that save copies the adapter at
+    the step where room frees up (before, the loop stopped until the first write was on disk)."""
+    from plora_hpo.checkpoints import CheckpointStore
+
+    sweep, study, _ = open_sweep(tmp_path, "deferred", budget={"steps": 8}, train={"checkpoint_every": 2})
+    for device_worker in sweep.workers:
+        device_worker.writer.max_queued_bytes = 1  # one state at a time: the second waits for the first's write
+    real_step, steps = PackedTrainer.step, []
+
+    def step(self):
+        reports = real_step(self)
+        steps.append(dict(self.steps_done))
+        return reports
+
+    monkeypatch.setattr(PackedTrainer, "step", step)
+    real_save, saves, held = CheckpointStore.save, [], []
+
+    def slow_save(self, lineage, state, extra=None):
+        if not saves:  # the disk is slow for the first write: the pack must train two more steps meanwhile
+            deadline = time.monotonic() + 20
+            while len(steps) < 4 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            held.append(len(steps))
+        saves.append((lineage, state.steps_done))
+        return real_save(self, lineage, state, extra)
+
+    monkeypatch.setattr(CheckpointStore, "save", slow_save)
+    try:
+        outcomes = optimize_in_packs(study, sweep, "synthetic", n_trials=2, pack_size=2)
+    finally:
+        sweep.close()
+
+    assert held == [4]  # the loop stepped on while the first checkpoint was being written
+    assert [o.failed for o in outcomes] == [False, False]
+    first, second = saves[0], saves[1]
+    assert first[1] == 2 and second[0] != first[0]
+    assert second[1] > 2  # the other adapter's step-2 save waited, and copied it as it was then
+    assert len({lineage for lineage, _ in saves}) == 2  # both adapters were checkpointed
 
 
 def test_a_finished_trial_whose_record_fails_gets_the_error_and_its_run_ends_failed(tmp_path, monkeypatch):

@@ -74,6 +74,17 @@ def _converted(
     return out
 
 
+def capture_bytes_bound(trainer: PackedTrainer, adapter_id: str) -> int:
+    """At most the host bytes :func:`capture` would copy for the adapter now: its weights and
+    AdamW moments on this rank, times the tensor-parallel degree (a gathered tensor is whole, and
+    no rank holds less than its share of it). Read off this rank's tensors: no copy, no collective."""
+    params = _group_params(trainer, adapter_id)
+    assert trainer.optimizer is not None
+    tensors = [*params, *(v for p in params for v in trainer.optimizer.state.get(p, {}).values())]
+    parallel = trainer.packed.parallel
+    return sum(t.numel() * t.element_size() for t in tensors) * (1 if parallel is None else parallel.degree)
+
+
 def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, float, float]]) -> AdapterState:
     """Copy an active adapter's state to host memory (between steps).
 

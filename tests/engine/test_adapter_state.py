@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from plora_hpo.adapter import AdapterConfig
+from plora_hpo.checkpoint_writer import state_bytes
 from plora_hpo.checkpoints import CheckpointStore, read_checkpoint
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
-from plora_hpo.engine.adapter_state import abort_step, capture, restore, stream_positions
+from plora_hpo.engine.adapter_state import abort_step, capture, capture_bytes_bound, restore, stream_positions
 from plora_hpo.errors import CheckpointError
 
 from .conftest import random_examples, tiny_model
@@ -51,7 +52,9 @@ def test_checkpoint_round_trip_continues_exactly(tmp_path):
     losses = [[r.loss for r in first.step()] for _ in range(5)]
     store = CheckpointStore(tmp_path / "ckpt")
     for i, a in enumerate(CONFIGS):
-        store.save(i, capture(first, a, curve=[(5, losses[-1][i], 0.0)]), {"run_id": f"run-{a}"})
+        state = capture(first, a, curve=[(5, losses[-1][i], 0.0)])
+        assert state_bytes(state) == capture_bytes_bound(first, a)  # one process: the bound is exact
+        store.save(i, state, {"run_id": f"run-{a}"})
     del first  # the process dies here
 
     second = new_trainer(base)

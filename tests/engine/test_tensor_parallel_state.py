@@ -14,8 +14,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from plora_hpo.checkpoint_writer import state_bytes
 from plora_hpo.engine import AdapterJob, PackedLoraModel, PackedTrainer
-from plora_hpo.engine.adapter_state import AdapterState, capture, restore
+from plora_hpo.engine.adapter_state import AdapterState, capture, capture_bytes_bound, restore
 from plora_hpo.engine.tensor_parallel import shard_model
 
 from .test_tensor_parallel import CONFIGS, EXAMPLES, SETTINGS, TARGETS, _free_port, tiny_model
@@ -41,7 +42,10 @@ def _train(trainer: PackedTrainer, steps: int) -> dict[str, list[float]]:
 
 
 def _states(trainer: PackedTrainer) -> dict[str, AdapterState]:
-    return {a: capture(trainer, a, []) for a in ADAPTERS}
+    states = {a: capture(trainer, a, []) for a in ADAPTERS}
+    for adapter_id, state in states.items():  # the room a worker asks its checkpoint writer for is enough
+        assert 0 < state_bytes(state) <= capture_bytes_bound(trainer, adapter_id)
+    return states
 
 
 def checkpointed_then_resumed(packed: PackedLoraModel, resume_from: dict[str, AdapterState] | None) -> dict:
