@@ -11,7 +11,9 @@ synthetic task, random weights at a real shape with the embedded model's tokeniz
 An untimed warm-up run comes first (``--no-warmup`` to skip): Triton's compiled kernels and
 Python's bytecode are cached on disk, and whichever mode ran first would pay for compiling them.
 It reports each mode's wall time, the per-trial final losses and scores next to ``threads@1``'s
-(same configs, keyed by params), and the scaling of ``processes@N`` over ``processes@1``. The JSON
+(same configs, keyed by params), the scaling of ``processes@N`` over ``processes@1``, and the
+planner's predicted makespan for 1 and N devices (``plora-hpo plan``, after the warm-up) against
+the span of the packs each run trained. The JSON
 goes under ``$OUT``; a short table is printed last.
 
 Device (wheels from ``benchmarks/gpu_wheels.py`` in ``.whl``)::
@@ -72,10 +74,38 @@ def run_mode(args, sweep_file: Path, work: Path, name: str, device: list[str], w
         result["log_tail"] = log_path.read_text()[-3000:]
         return result
     result["trials"] = read_trials(run_dir, sweep_file, start)
+    record = run_dir / "packs" / "packs.json"
+    if record.is_file():  # first pack start to last pack end, on every device: what the planner predicts
+        result["packs_makespan_s"] = json.loads(record.read_text())["summary"]["makespan_seconds"]
     if timeline.exists():
         events = [json.loads(line) for line in timeline.read_text().splitlines()]
         result["timeline"] = {k: v for k, v in summarize_timeline(events, start, end).items() if k != "note"}
     return result
+
+
+def planner_prediction(args, sweep_file: Path, gpus: int, info: dict) -> dict:
+    """``plora-hpo plan --json`` for this sweep on ``gpus`` devices, with the calibration this
+    machine holds at the time (the warm-up's, when it ran): the predicted makespan and packs; or
+    the error line that says why there is none."""
+    if args.smoke:
+        return {"error": "smoke run: a tiny random model, not a shape the planner's cost model knows"}
+    memory = f"{info.get('gpu_memory_gib') or 24:.2f}"
+    argv = ["plan", str(sweep_file), "--model", args.shape, "--gpus", str(gpus), "--json", "--no-gantt",
+            "--gpu-name", info.get("gpu") or "cpu", "--gpu-memory-gib", memory]  # fmt: skip
+    cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        return {"command": "plora-hpo " + shlex.join(argv), "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    plan = json.loads(proc.stdout)
+    keys = ("degree", "gpus", "configs", "step_seconds", "start", "end")
+    return {
+        "command": "plora-hpo " + shlex.join(argv),
+        "makespan_s": plan["makespan"],
+        "solver": plan["solver"],
+        "solver_note": plan["solver_note"],
+        "calibrated_from": plan["calibrated_from"],
+        "packs": [{k: pack[k] for k in keys} for pack in plan["packs"]],
+    }
 
 
 def fmt(phases: dict[str, float]) -> str:
@@ -141,6 +171,8 @@ def main(argv=None) -> None:
     modes = {"threads@1": (gpus[:1], "threads"), "processes@1": (gpus[:1], "processes")}
     if len(gpus) > 1:
         modes[f"processes@{len(gpus)}"] = (gpus, "processes")
+    info = device_info()
+    plans = {n: planner_prediction(args, sweep_file, n, info) for n in sorted({len(dev) for dev, _ in modes.values()})}
     repeats: dict[str, list[dict]] = {name: [] for name in modes}
     for i in range(args.repeats):  # taking turns: a drift in the machine's state hits every mode alike
         for name, (dev, how) in modes.items():
@@ -150,7 +182,7 @@ def main(argv=None) -> None:
         "benchmark": "sweep_workers",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": shlex.join([sys.executable, *(["benchmarks/sweep_workers.py", *argv] if argv else sys.argv)]),
-        **device_info(),
+        **info,
         "gpus_visible": len(gpus) if device == "cuda" else 0,
         "versions": versions(),
         "model": model,
@@ -160,6 +192,13 @@ def main(argv=None) -> None:
         "repeats": {name: done[1:] for name, done in repeats.items()} if args.repeats > 1 else None,
         "wall_s": {name: [r["wall_s"] for r in done] for name, done in repeats.items()},
         "agreement_with_threads@1": {name: compare(runs["threads@1"], run) for name, run in runs.items()},
+        "planner": {
+            "note": "predicted: plora-hpo plan's makespan for the sweep file on that many devices (training packs "
+            "only); ran: each run's pack record, first pack start to last pack end over all devices (its trials' "
+            "scoring inside the packs included, start-up and closing not)",
+            "predicted": {str(n): plan for n, plan in plans.items()},
+            "ran": {name: [r.get("packs_makespan_s") for r in done] for name, done in repeats.items()},
+        },
     }
     one, many = runs["processes@1"], runs.get(f"processes@{len(gpus)}")
     if len(gpus) > 1 and many and one.get("returncode") == 0 and many.get("returncode") == 0:
@@ -187,6 +226,11 @@ def main(argv=None) -> None:
                 print(f"  {name}: startup {sec.get('startup', 0):.1f} s ({fmt(tl['startup_phases'])}), "
                       f"shutdown {sec.get('shutdown', 0):.1f} s ({fmt(tl['shutdown_phases'])}; "
                       f"processes exit {exits} s before the end), train {sec.get('train', 0):.1f} s")  # fmt: skip
+    for name, (dev, _) in modes.items():
+        plan, ran = plans[len(dev)], result["planner"]["ran"][name]
+        predicted = f"{plan['makespan_s']:.1f} s" if "makespan_s" in plan else f"none ({plan['error']})"
+        spans = " ".join("-" if x is None else f"{x:.1f}" for x in ran)
+        print(f"planner, {name}: predicted makespan {predicted}; packs ran {spans} s")
     if "scaling" in result:
         print(f"scaling processes@{len(gpus)} over processes@1: {result['scaling']:.2f}x")
     print(f"json: {path}")

@@ -225,8 +225,9 @@ class TrainSpec(_Strict):
         description="With the automatic cadence, the largest share of a device's time that checkpoints "
         "may take from training (copying adapter state to host memory; a save that finds the background "
         "writer's queue full is taken at a later step, so the loop does not wait for the disk): a due save "
-        "is skipped while it would exceed this share (measured from the saves so far). Fast GPU trials then risk a few seconds of training in a crash instead of "
-        "stalling on multi-GB writes; slow trials are still saved about four times. An explicit "
+        "is skipped while it would exceed this share (measured from the saves so far). Fast GPU trials "
+        "then risk a few seconds of training in a crash instead of stalling on multi-GB writes; slow "
+        "trials are still saved about four times. An explicit "
         "checkpoint_every is always honoured.",
     )
 

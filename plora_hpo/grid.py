@@ -46,6 +46,11 @@ class OrderedGridSampler(GridSampler):
             study._storage.set_trial_system_attr(trial._trial_id, "search_space", self._search_space)
             study._storage.set_trial_system_attr(trial._trial_id, "grid_id", free[0])
 
+    def points(self, n: int | None = None) -> list[dict[str, Any]]:
+        """The first ``n`` grid points (all of them without ``n``), in the order a fresh sweep's
+        trials take them: the configs a grid sweep of ``n`` trials trains."""
+        return [dict(zip(self._param_names, point)) for point in self._all_grids[:n]]
+
     def queue(self, study: optuna.Study, n_trials: int) -> int:
         """Enqueue grid points no trial holds, in grid order, until ``n_trials`` points are held.
 

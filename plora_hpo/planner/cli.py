@@ -43,7 +43,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-gib", type=float, required=True, help="memory of one GPU in GiB")
     parser.add_argument("--gpu-name", default="H200", help="GPU kind, for its stored calibration (default H200)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON only")
-    parser.add_argument("--samples", type=int, help="configs to draw from a ranged space (default: n_trials)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        help="configs to draw from the space (default: a sweep file's n_trials; a grid sweep plans the grid "
+        "points its trials take)",
+    )
     parser.add_argument("--max-degree", type=int, help="most GPUs per pack, a power of two (default: all)")
     parser.add_argument("--max-pack-size", type=int, help="most adapters per pack (default: the sweep's pack.size)")
     parser.add_argument("--steps", type=int, help="optimizer steps per config (overrides the sweep's budget)")
@@ -73,6 +78,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
     """(configs, plan_packs keyword arguments, one-line description) from the file and flags."""
     path = Path(args.file)
     data = _read_yaml(path)
+    grid_configs: list[AdapterConfig] | None = None  # a grid sweep's own points
     if args.samples is not None and args.samples < 1:
         raise ConfigError(f"--samples must be at least 1, got {args.samples}")
     if args.steps is not None and args.steps < 1:
@@ -80,7 +86,9 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
     if isinstance(data, dict) and "space" in data:
         sweep = load_sweep(path)
         space = SearchSpace(sweep.space, seed=sweep.seed, use_rslora=sweep.train.use_rslora)
-        samples = args.samples or (None if space.is_grid else sweep.n_trials)
+        samples = args.samples or (None if space.is_grid and sweep.n_trials is None else sweep.n_trials)
+        if args.samples is None and sweep.sampler == "grid" and space.is_grid:
+            grid_configs = _sweep_grid_configs(space, sweep.seed, sweep.n_trials)
         model = args.model or sweep.model
         seq_len, targets, budget, task = sweep.seq_len, tuple(sweep.target_modules), sweep.budget, sweep.tasks[0]
         pack_size = args.max_pack_size or sweep.pack.size
@@ -104,7 +112,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
     if shape_name_for_model(model) is None and args.model is None:
         raise ConfigError(f"model {model!r} of {path} is not a known shape; pass --model, e.g. --model qwen2.5-7b")
     shape_name, shape = resolve_model(model)
-    configs = space.enumerate_configs(samples)
+    configs = grid_configs if grid_configs is not None else space.enumerate_configs(samples)
     if not configs:
         raise ConfigError(f"{path}: the search space yields no configs; add choices or pass --samples N")
     steps = _steps(args, configs, budget, task, path)
@@ -128,6 +136,15 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
         f"load factor {args.load_factor:g}), model {shape_name}, seq {seq_len}"
     )
     return configs, kwargs, description
+
+
+def _sweep_grid_configs(space: SearchSpace, seed: int, n_trials: int | None) -> list[AdapterConfig]:
+    """The configs a grid sweep of ``n_trials`` trials trains (the whole grid without), in the
+    order its trials take them: its sampler's seeded grid order."""
+    from plora_hpo.grid import OrderedGridSampler
+
+    points = OrderedGridSampler(space.grid(), seed=seed).points(n_trials)
+    return [space.to_config(point, seed=space.config_seed(point)) for point in points]
 
 
 def _steps(args: argparse.Namespace, configs: list[AdapterConfig], budget: Any, task: str | None, path: Path):

@@ -37,6 +37,33 @@ def test_paper120_json_on_8_gpus(capsys, tmp_path):
     assert gantt.stat().st_size > 10_000 and out["gantt"] == str(gantt)
 
 
+def test_a_grid_sweep_plans_the_grid_points_its_trials_take(capsys, tmp_path):
+    """With n_trials below the grid's size the plan is for the configs the sweep trains: the ones
+    it enqueues in its Optuna study, in that order (not the first points of the grid's product)."""
+    import yaml
+
+    from plora_hpo.config import load_sweep
+    from plora_hpo.space import SearchSpace
+    from plora_hpo.study import create_study, queue_grid
+
+    data = yaml.safe_load((SPACES / "paper120.yaml").read_text())
+    data.update(n_trials=16, budget={"steps": 100}, tasks=["synthetic"])
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(data))
+    assert plan(str(sweep_file), "--model", "qwen2.5-1.5b", "--gpus", "2", "--gpu-memory-gib", "80",
+                "--no-gantt", "--json") == 0  # fmt: skip
+    planned = json.loads(capsys.readouterr().out)["config_labels"]
+
+    config = load_sweep(sweep_file)
+    study = create_study(config, "synthetic", f"sqlite:///{tmp_path / 'optuna.db'}")
+    assert queue_grid(study, config.n_trials) == 16
+    space = SearchSpace(config.space, seed=config.seed)
+    queued = [t.system_attrs["fixed_params"] for t in sorted(study.trials, key=lambda t: t.number)]
+    assert planned == [space.to_config(p, seed=space.config_seed(p)).label() for p in queued]
+    first_of_product = [c.label() for c in space.enumerate_configs()[:16]]
+    assert planned != first_of_product  # the seeded order, which a plan of the product's head would miss
+
+
 def test_table_and_hub_id_mapping(capsys, tmp_path):
     # adaptive.yaml names Qwen/Qwen2.5-1.5B-Instruct: the shape follows from the hub id.
     args = ["--gpus", "2", "--gpu-memory-gib", "80", "--samples", "12", "--steps", "100", "--no-gantt"]
