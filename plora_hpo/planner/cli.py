@@ -214,7 +214,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry (``python -m plora_hpo.planner.cli``) until ``plora-hpo plan`` is wired."""
+    """Stand-alone entry (``python -m plora_hpo.planner.cli``): ``plora-hpo plan`` without importing
+    the rest of the command line."""
     parser = argparse.ArgumentParser(prog="plora-hpo plan", description=__doc__.splitlines()[0])
     add_plan_arguments(parser)
     args = parser.parse_args(argv)
