@@ -7,9 +7,9 @@ order they were asked for, so a finished trial's delete never races its last sav
 
 Host memory is bounded: a save waits while more than ``max_queued_bytes`` of states are queued.
 The training loop asks :meth:`~plora_hpo.job_thread.JobThread.has_room` first and takes a save
-that would wait at a later step instead. A failed
-write (a full disk) is raised in the training loop at its next save or :meth:`flush`;
-the saves queued behind it are dropped (each lineage keeps its previous file), deletes still run.
+that would wait at a later step instead. A failed write (a full disk) is raised in the training
+loop at its next save or :meth:`flush`; the saves queued behind it are dropped (each lineage
+keeps its previous file), deletes still run.
 
 Boundary: this module orders and runs :class:`~plora_hpo.checkpoints.CheckpointStore` calls; it
 decides nothing about when to save.
