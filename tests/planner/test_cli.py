@@ -64,6 +64,18 @@ def test_a_grid_sweep_plans_the_grid_points_its_trials_take(capsys, tmp_path):
     assert planned != first_of_product  # the seeded order, which a plan of the product's head would miss
 
 
+def test_a_sweep_with_another_sampler_plans_n_trials_draws(capsys, tmp_path):
+    import yaml
+
+    data = yaml.safe_load((SPACES / "paper120.yaml").read_text())
+    data.update(n_trials=12, budget={"steps": 100}, sampler="tpe")
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(data))
+    assert plan(str(sweep_file), "--model", "qwen2.5-1.5b", "--gpus", "1", "--gpu-memory-gib", "80",
+                "--no-gantt", "--json") == 0  # fmt: skip
+    assert len(json.loads(capsys.readouterr().out)["config_labels"]) == 12  # not the grid's 120
+
+
 def test_table_and_hub_id_mapping(capsys, tmp_path):
     # adaptive.yaml names Qwen/Qwen2.5-1.5B-Instruct: the shape follows from the hub id.
     args = ["--gpus", "2", "--gpu-memory-gib", "80", "--samples", "12", "--steps", "100", "--no-gantt"]
