@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 from plora_hpo.errors import PloraError, disk_full
 from plora_hpo.local_workers import AWAIT_ARGUMENTS, LocalWorkers, await_arguments, report_done
 from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
-from plora_hpo.timeline import record
+from plora_hpo.timeline import phase, record
 from plora_hpo.trials import TrialInterrupted
 
 if TYPE_CHECKING:
@@ -155,9 +155,11 @@ def run_sweep(args: argparse.Namespace) -> int:
     from plora_hpo.config import load_sweep
 
     preemption = Preemption().install()
-    config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
+    with phase("read-sweep-file"):
+        config = load_sweep(args.file, {"model": args.model, "n_trials": args.n_trials, "pack.size": args.pack_size})
     processes = None if args.workers is None else args.workers == "processes"
-    workers = start_workers_ahead(config, args.device, processes, args.data_dir)
+    with phase("find-devices"):  # counting GPUs imports torch
+        workers = start_workers_ahead(config, args.device, processes, args.data_dir)
     try:
         from plora_hpo.progress import RichPackProgress
         from plora_hpo.report import print_summary

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from plora_hpo.config import SweepConfig
+from plora_hpo.timeline import phase
 
 _MLFLOW_FIX = "start the server or pass --mlflow-uri with a reachable store"
 _STORAGE_FIX = "pass --storage with a reachable database URL, or leave it out for sqlite:///<run-dir>/optuna.db"
@@ -36,19 +37,33 @@ def check_sweep_inputs(
     tracking URI and the Optuna storage URL. Leaves nothing behind: the run directory is not
     created, and stores inside ``run_dir`` (the defaults) do not exist yet and are not checked here.
     """
-    from plora_hpo.errors import DataError
-
     check_run_dir_writable(run_dir)
-    _check_device(device)
-    _check_model(config.model)
-    _check_degree(config, device)
+    with phase("check-device"):
+        _check_device(device)
+    with phase("check-model"):
+        _check_model(config.model)
+        _check_degree(config, device)
     custom = [t for t in config.tasks if t in config.custom_tasks]
     if custom:
         from plora_hpo.tasks import resolve_task
 
-        for task in custom:
-            resolve_task(task, config.custom_tasks)
+        with phase("check-tasks"):
+            for task in custom:
+                resolve_task(task, config.custom_tasks)
     real_tasks = [t for t in config.tasks if t != "synthetic" and t not in config.custom_tasks]
+    with phase("check-data"):
+        _check_data(data_dir, real_tasks)
+    with phase("check-stores"):
+        if mlflow_uri is not None:
+            _check_mlflow_uri(mlflow_uri, run_dir)
+        if storage is not None:
+            _check_storage(storage, run_dir)
+
+
+def _check_data(data_dir: str | None, real_tasks: list[str]) -> None:
+    """The data directory (the flag's, else the environment's) and each built-in task's files in it."""
+    from plora_hpo.errors import DataError
+
     if data_dir is not None or real_tasks:
         from plora_hpo.tasks import get_task
         from plora_hpo.tasks._sources import DATA_DIR_ENV, check_local_files, resolve_data_dir
@@ -63,10 +78,6 @@ def check_sweep_inputs(
                 raise DataError(f"{flag} {directory}: not a directory; pass a folder holding {needs}")
             for task in real_tasks:
                 check_local_files(get_task(task), directory)
-    if mlflow_uri is not None:
-        _check_mlflow_uri(mlflow_uri, run_dir)
-    if storage is not None:
-        _check_storage(storage, run_dir)
 
 
 _READ_ONLY = (errno.EACCES, errno.EPERM, errno.EROFS)

@@ -186,9 +186,10 @@ class SweepRun:
                     mlflow_uri=self.mlflow_uri,
                     storage=self._storage_given,
                 )
-                saved = check_resumable(run_dir, config, resume=self.resume)
-                for task in config.tasks:
-                    CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
+                with phase("check-resume"):
+                    saved = check_resumable(run_dir, config, resume=self.resume)
+                    for task in config.tasks:
+                        CheckpointStore(checkpoint_dir(run_dir, config, task)).validate_all()
         except BaseException:
             self._stop_local_workers()
             raise

@@ -185,6 +185,12 @@ def test_a_worker_process_loads_its_model_and_data_once_ahead_of_its_study(tmp_p
     assert [e["phase"] for e in events].count("load-model") == 1  # not again once given the study
     assert [e["phase"] for e in events].count("load-data") == 1
     assert phases["load-model"]["end"] <= phases["load-data"]["end"] <= phases[AWAIT_STUDY_PHASE]["start"]
+    # the sweep process's start-up, in parts: what the input checks spend their time on is on the timeline
+    checks = phases["check-inputs"]
+    assert phases["read-sweep-file"]["end"] <= phases["find-devices"]["start"] <= checks["start"]
+    parts = ["check-device", "check-model", "check-data", "check-stores", "check-resume"]
+    assert all(checks["start"] <= phases[p]["start"] <= phases[p]["end"] <= checks["end"] for p in parts)
+    assert [e["phase"] for e in events if e["phase"] in parts] == parts
 
 
 def test_a_replica_serves_only_the_settings_it_was_loaded_for(tmp_path):
