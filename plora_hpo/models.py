@@ -118,6 +118,43 @@ def load_base_model(
     return loaded
 
 
+def load_tokenizer(spec: str, *, cached_only: bool = False) -> PreTrainedTokenizerBase | None:
+    """The tokenizer :func:`load_base_model` gives the base model ``spec``, without its weights;
+    None for a ``random:`` shape, which has none. ``cached_only``: a hub id's tokenizer only from
+    the local Hugging Face cache (no download, and no wait on an unreachable Hub).
+
+    Raises:
+        ModelError: the spec names nothing loadable, or its folder or hub repository has no tokenizer.
+    """
+    if spec.lower() == EMBEDDED_NAME:
+        tokenizer = AutoTokenizer.from_pretrained(_embedded_cache())
+    elif spec.lower().startswith(RANDOM_PREFIX):
+        return None
+    else:
+        hub_from_cache = cached_only and not Path(spec).expanduser().is_dir()
+        ref = spec if hub_from_cache else resolve_config(spec)[0]
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(ref, local_files_only=cached_only)
+        except (OSError, ValueError) as err:
+            raise ModelError(
+                f"cannot load the tokenizer of model {spec!r}: {first_line(err)}; check that the folder or hub "
+                "repository holds it (save_pretrained of the tokenizer)"
+            ) from None
+        _check_vocabulary(tokenizer, spec)
+    _prepare_tokenizer(tokenizer)
+    return tokenizer
+
+
+def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, spec: str) -> None:
+    """A folder with a config but no tokenizer files still gives a tokenizer, one of special
+    tokens only, which encodes every text to nothing: refuse it."""
+    if len(tokenizer) <= len(tokenizer.all_special_ids):
+        raise ModelError(
+            f"model {spec!r} has no tokenizer vocabulary (no tokenizer files beside its config); save the "
+            "tokenizer there too (tokenizer.save_pretrained)"
+        )
+
+
 def shape_from_config(config: PretrainedConfig) -> ModelShape:
     """Read decoder dimensions from a transformers config of a supported family."""
     rope = getattr(config, "rope_parameters", None) or {}
@@ -183,11 +220,17 @@ def _dequantize_gguf(gguf: Path, out_dir: Path) -> None:
     tokenizer.save_pretrained(out_dir)
 
 
-def _load_embedded(dtype: torch.dtype, device: torch.device) -> LoadedModel:
+def _embedded_cache() -> Path:
+    """The dequantized embedded model's folder, built from the GGUF on first use."""
     cache = embedded_cache_dir()
     if not cache.is_dir():
         gguf = embedded_gguf_path()
         build_atomically(cache, lambda tmp: _dequantize_gguf(gguf, tmp))
+    return cache
+
+
+def _load_embedded(dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    cache = _embedded_cache()
     model = AutoModelForCausalLM.from_pretrained(
         cache, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=device
     )
@@ -259,4 +302,5 @@ def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device) -> Loa
             f"cannot load model {spec!r}: {first_line(err)}; check that the folder or hub repository "
             "holds the weights and the tokenizer (save_pretrained of both)"
         ) from None
+    _check_vocabulary(tokenizer, spec)
     return LoadedModel(model, tokenizer, ref, shape_from_config(model.config), source)

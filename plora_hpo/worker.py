@@ -62,6 +62,7 @@ from plora_hpo.pacing import SharePacer
 from plora_hpo.pack_group import STOP, GroupFailed
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps, usable_memory_bytes
+from plora_hpo.tasks import padded_length
 from plora_hpo.timeline import enabled as timeline_enabled
 from plora_hpo.timeline import phase, watch_triton_compiles
 from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
@@ -82,17 +83,6 @@ LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device me
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
 FINISHING_QUEUE_BYTES = 1 << 30
 """Host bytes of finished adapters' copies a device may queue for writing before its loop waits."""
-
-
-def padded_length(seq_len: int, resources: DeviceResources) -> int:
-    """The most tokens a training row can have: ``seq_len``, or the longest training example if shorter.
-
-    The engine pads a step's rows only to its longest row, so sizing packs by ``seq_len`` (512 in
-    paper120) on a task of ~100-token examples (MRPC) overstates activation memory and step time
-    several times over, and the planner packs far fewer adapters than fit.
-    """
-    longest = max((len(e.input_ids) for task in resources.tasks.values() for e in task.examples), default=seq_len)
-    return max(1, min(seq_len, longest))
 
 
 @dataclass
@@ -177,7 +167,7 @@ class DeviceWorker:
         self.cost = CostModel(
             Workload(
                 self.base.shape,
-                padded_length(config.seq_len, resources),
+                padded_length(config.seq_len, (e for task in resources.tasks.values() for e in task.examples)),
                 tuple(config.target_modules),
                 self.dtype_bytes(),
                 checkpointing=config.pack.activation_checkpointing,

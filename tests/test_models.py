@@ -170,6 +170,25 @@ def test_local_directory(family, embedded, fresh_cache, tmp_path):
     assert torch.isfinite(_logits(loaded).float()).all()
 
 
+def test_a_folder_without_tokenizer_files_is_refused(embedded, fresh_cache, tmp_path):
+    """transformers builds a tokenizer of special tokens only for a folder with a config and no
+    tokenizer files; it would encode every training text to nothing."""
+    bare = _save_tiny("qwen2", tmp_path / "bare", None)
+    for load in (load_base_model, models.load_tokenizer):
+        with pytest.raises(ModelError, match=r"has no tokenizer vocabulary.*tokenizer\.save_pretrained"):
+            load(str(bare))
+
+
+def test_the_tokenizer_alone_is_the_one_the_model_loads_with(embedded, fresh_cache, tmp_path, use_cache):
+    directory = _save_tiny("qwen2", tmp_path / "tiny", fresh_cache / "models" / "smollm2-135m-instruct")
+    text = "Word: giraffe\nGroup A or B?\nAnswer:"
+    for spec in (str(directory), "smollm2-135m"):
+        alone, loaded = models.load_tokenizer(spec), load_base_model(spec).tokenizer
+        assert alone(text).input_ids == loaded(text).input_ids and len(alone(text).input_ids) > 5
+        assert (alone.pad_token, alone.padding_side) == (loaded.pad_token, loaded.padding_side)
+    assert models.load_tokenizer("random:qwen2.5-1.5b") is None
+
+
 def test_unsupported_family(tmp_path):
     AutoConfig.for_model("gpt2", n_layer=1, n_embd=16, n_head=2).save_pretrained(tmp_path)
     with pytest.raises(ModelError, match=r"family 'gpt2' is not supported.*llama, qwen2, mistral"):

@@ -20,8 +20,8 @@ import yaml
 from pydantic import ValidationError
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.config import SpaceSpec, load_sweep
-from plora_hpo.errors import ConfigError, PloraError
+from plora_hpo.config import SpaceSpec, SweepConfig, load_sweep
+from plora_hpo.errors import ConfigError, PloraError, first_line
 from plora_hpo.planner.cost_model import GpuSpec
 from plora_hpo.planner.gantt import write_gantt
 from plora_hpo.planner.ilp import SOLVERS
@@ -53,6 +53,15 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-pack-size", type=int, help="most adapters per pack (default: the sweep's pack.size)")
     parser.add_argument("--steps", type=int, help="optimizer steps per config (overrides the sweep's budget)")
     parser.add_argument("--train-examples", type=int, help="training examples, for an epoch budget")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per training row to plan with (default for a sweep file: its longest tokenized training "
+        "example, as the sweep pads each step only to its longest row; else 512)",
+    )
+    parser.add_argument(
+        "--data-dir", help="a sweep file's task data, to read its training examples (default $PLORA_HPO_DATA_DIR)"
+    )
     parser.add_argument("--load-factor", type=float, default=0.9, help="fraction of GPU memory to plan with")
     parser.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing")
     parser.add_argument("--solver", choices=SOLVERS, default="auto", help="ILP solver (default: auto)")
@@ -74,8 +83,9 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: YAML syntax error: {str(err).splitlines()[0]}; fix the file there") from None
 
 
-def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[str, Any], str]:
-    """(configs, plan_packs keyword arguments, one-line description) from the file and flags."""
+def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[str, Any], str, str]:
+    """(configs, plan_packs keyword arguments, one-line description, where the row length comes
+    from) from the file and flags."""
     path = Path(args.file)
     data = _read_yaml(path)
     grid_configs: list[AdapterConfig] | None = None  # a grid sweep's own points
@@ -83,6 +93,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
         raise ConfigError(f"--samples must be at least 1, got {args.samples}")
     if args.steps is not None and args.steps < 1:
         raise ConfigError(f"--steps must be at least 1, got {args.steps}")
+    if args.seq_len is not None and args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be at least 1, got {args.seq_len}")
     if isinstance(data, dict) and "space" in data:
         sweep = load_sweep(path)
         space = SearchSpace(sweep.space, seed=sweep.seed, use_rslora=sweep.train.use_rslora)
@@ -90,7 +102,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
         if args.samples is None and sweep.sampler == "grid" and space.is_grid:
             grid_configs = _sweep_grid_configs(space, sweep.seed, sweep.n_trials)
         model = args.model or sweep.model
-        seq_len, targets, budget, task = sweep.seq_len, tuple(sweep.target_modules), sweep.budget, sweep.tasks[0]
+        targets, budget, task = tuple(sweep.target_modules), sweep.budget, sweep.tasks[0]
+        seq_len, seq_source = _row_tokens(sweep, args.data_dir) if args.seq_len is None else (args.seq_len, "--seq-len")
         pack_size = args.max_pack_size or sweep.pack.size
         dtype_bytes = 4 if sweep.dtype == "float32" else 2
     else:
@@ -103,7 +116,8 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
                 f"{path}: neither a sweep file (no 'space' key) nor a search space: {where}: {first['msg']}"
             ) from None
         space = SearchSpace(spec)
-        samples, model, seq_len, targets, budget, task = args.samples, args.model, 512, TARGET_MODULES, None, None
+        samples, model, targets, budget, task = args.samples, args.model, TARGET_MODULES, None, None
+        seq_len, seq_source = (512, "a search space's default") if args.seq_len is None else (args.seq_len, "--seq-len")
         pack_size, dtype_bytes = args.max_pack_size, 2
     if not space.is_grid and samples is None:
         raise ConfigError(f"{path}: the space has ranges; pass --samples N to plan N sampled configs")
@@ -133,9 +147,46 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
     }
     description = (
         f"{len(configs)} configs of {path} on {args.gpus} × {args.gpu_name} ({args.gpu_memory_gib:g} GiB, "
-        f"load factor {args.load_factor:g}), model {shape_name}, seq {seq_len}"
+        f"load factor {args.load_factor:g}), model {shape_name}, seq {seq_len} ({seq_source})"
     )
-    return configs, kwargs, description
+    return configs, kwargs, description, seq_source
+
+
+def _row_tokens(sweep: SweepConfig, data_dir: str | None) -> tuple[int, str]:
+    """The tokens per training row the sweep's packs are sized by, and where that number comes from.
+
+    A sweep pads each step only to its longest row, so it sizes packs by its longest tokenized
+    training example (at most ``seq_len``); this reads the same examples with the sweep model's
+    tokenizer (a hub model's from the local cache only: planning downloads nothing). Where they
+    cannot be read here (no tokenizer for a random-init model or in the cache, no data), ``seq_len``,
+    saying why.
+    """
+    from plora_hpo.models import load_tokenizer
+    from plora_hpo.tasks import load_train_examples, padded_length, resolve_task
+
+    fallback = "seq_len, as {}; pass --seq-len N with the longest tokenized training example".format
+    try:
+        tokenizer = load_tokenizer(sweep.model, cached_only=True)
+    except PloraError:
+        return sweep.seq_len, fallback(f"the tokenizer of {sweep.model} could not be loaded here")
+    if tokenizer is None:
+        return sweep.seq_len, fallback("a random-init model has no tokenizer")
+    try:
+        examples = [
+            example
+            for task in sweep.tasks
+            for example in load_train_examples(
+                resolve_task(task, sweep.custom_tasks),
+                tokenizer,
+                seq_len=sweep.seq_len,
+                data_dir=data_dir,
+                max_examples=sweep.budget.max_train_examples,
+                seed=sweep.seed,
+            )
+        ]
+    except PloraError as err:
+        return sweep.seq_len, fallback(f"the training data could not be read ({first_line(err)})")
+    return padded_length(sweep.seq_len, examples), f"the longest training example of {', '.join(sweep.tasks)}"
 
 
 def _sweep_grid_configs(space: SearchSpace, seed: int, n_trials: int | None) -> list[AdapterConfig]:
@@ -196,7 +247,7 @@ def _print_table(schedule: Schedule, description: str, gantt: Path | None) -> No
 
 def run_plan(args: argparse.Namespace) -> int:
     """Run ``plora-hpo plan``; raises PloraError (one line) on bad input, returns 0 on success."""
-    configs, kwargs, description = _plan_inputs(args)
+    configs, kwargs, description, seq_source = _plan_inputs(args)
     schedule = plan_packs(configs, **kwargs)
     gantt = None
     if not args.no_gantt:
@@ -205,6 +256,7 @@ def run_plan(args: argparse.Namespace) -> int:
     if args.json:
         payload = schedule.to_dict()
         payload["config_labels"] = [c.label() for c in configs]
+        payload["seq_len"], payload["seq_len_source"] = kwargs["seq_len"], seq_source
         payload["gantt"] = None if gantt is None else str(gantt)
         json.dump(payload, sys.stdout, indent=2)
         print()

@@ -7,6 +7,7 @@ Public API:
 - :func:`resolve_task`: a built-in task, or one the sweep file defines under ``custom_tasks``
   (:mod:`plora_hpo.tasks.custom`).
 - :func:`load_train_examples`: the train split as token sequences, prompts as lm-eval renders them.
+- :func:`padded_length`: the most tokens a training row of those examples has (what packs are sized by).
 - :func:`build_eval_tasks`: lm-eval task objects for ``lm_eval.evaluator.evaluate``.
 
 Data comes from the Hugging Face Hub by default, or from a data directory of the original
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from plora_hpo.errors import ConfigError
@@ -42,6 +43,7 @@ __all__ = [
     "build_eval_tasks",
     "get_task",
     "load_train_examples",
+    "padded_length",
     "resolve_task",
 ]
 
@@ -110,6 +112,18 @@ def load_train_examples(
         order = order[:max_examples]
     prompts, completions = training_pairs(lm_task, order)
     return encode_pairs(tokenizer, prompts, completions, seq_len=seq_len)
+
+
+def padded_length(seq_len: int, examples: Iterable[TrainExample]) -> int:
+    """The most tokens a training row can have: the longest of ``examples``, at most ``seq_len``
+    (``seq_len`` when there are none).
+
+    The engine pads a step's rows only to its longest row, so sizing packs by ``seq_len`` (512 in
+    paper120) on a task of ~100-token examples (MRPC) overstates activation memory and step time
+    several times over, and the planner packs far fewer adapters than fit.
+    """
+    longest = max((len(e.input_ids) for e in examples), default=seq_len)
+    return max(1, min(seq_len, longest))
 
 
 def build_eval_tasks(

@@ -76,6 +76,39 @@ def test_a_sweep_with_another_sampler_plans_n_trials_draws(capsys, tmp_path):
     assert len(json.loads(capsys.readouterr().out)["config_labels"]) == 12  # not the grid's 120
 
 
+def test_a_sweep_is_planned_with_its_longest_training_row(capsys, tmp_path):
+    """The sweep pads each step only to its longest row and sizes its packs so; its plan does the
+    same with the sweep model's tokenizer, unless --seq-len says otherwise. A model without a
+    tokenizer plans with seq_len and says why."""
+    import yaml
+
+    from plora_hpo.models import load_tokenizer
+    from plora_hpo.tasks import load_train_examples
+
+    data = yaml.safe_load((SPACES / "paper120.yaml").read_text())
+    data.update(model="smollm2-135m", tasks=["synthetic"], n_trials=8, budget={"steps": 50})
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(data))
+    argv = [str(sweep_file), "--model", "qwen2.5-1.5b", "--gpus", "1", "--gpu-memory-gib", "80", "--no-gantt", "--json"]
+
+    def planned(*extra: str) -> dict:
+        assert plan(*argv, *extra) == 0
+        return json.loads(capsys.readouterr().out)
+
+    examples = load_train_examples("synthetic", load_tokenizer("smollm2-135m"), seq_len=512)
+    longest = max(len(e.input_ids) for e in examples)
+    rows = planned()
+    assert rows["seq_len"] == longest < 512 and rows["seq_len_source"] == "the longest training example of synthetic"
+    padded = planned("--seq-len", "512")
+    assert (padded["seq_len"], padded["seq_len_source"]) == (512, "--seq-len")
+    assert padded["makespan"] > rows["makespan"]  # rows of 512 tokens: longer steps
+
+    data["model"] = "random:qwen2.5-1.5b"
+    sweep_file.write_text(yaml.safe_dump(data))
+    fallback = planned()
+    assert fallback["seq_len"] == 512 and "a random-init model has no tokenizer" in fallback["seq_len_source"]
+
+
 def test_table_and_hub_id_mapping(capsys, tmp_path):
     # adaptive.yaml names Qwen/Qwen2.5-1.5B-Instruct: the shape follows from the hub id.
     args = ["--gpus", "2", "--gpu-memory-gib", "80", "--samples", "12", "--steps", "100", "--no-gantt"]
@@ -107,6 +140,7 @@ def test_bare_space_file(tmp_path, capsys):
         (["--gpus", "8", "--gpu-memory-gib", "-5"], PloraError, "GPU memory must be a positive"),
         (["--gpus", "8", "--gpu-memory-gib", "80", "--model", "gpt-9"], ConfigError, "unknown model shape 'gpt-9'"),
         (["--gpus", "8", "--gpu-memory-gib", "80", "--samples", "0"], ConfigError, "--samples must be at least 1"),
+        (["--gpus", "8", "--gpu-memory-gib", "80", "--seq-len", "0"], ConfigError, "--seq-len must be at least 1"),
         (["--gpus", "8", "--gpu-memory-gib", "80", "--max-degree", "3"], PloraError, "power of two"),
         (["--gpus", "1", "--gpu-memory-gib", "16"], PloraError, "cannot fit even alone on 1 GPU"),
     ],
