@@ -19,6 +19,10 @@ sweep's per-step overhead (checkpoint pacing and copies, MLflow, progress, data)
 On a GPU it then profiles a few more of those steps (``torch.profiler``): the share of their span
 with a kernel or copy running, and the gaps summed by what the host was doing meanwhile.
 
+After the sweep, ``plora-hpo plan`` predicts the same sweep file's makespan on one device with
+the calibration that sweep left on the machine (key ``planner``: the prediction, its row length,
+and each sweep's pack span from its pack record).
+
 With ``--again`` the same sweep then runs a second time in a fresh run directory: a user's next
 sweep on the machine, which finds Triton's compiled kernels, Python's bytecode and the task data
 cached (key ``sweep_again``: its wall time, GPU utilisation and timeline totals).
@@ -265,11 +269,43 @@ def run_sweep(
     packs = run_dir / "packs" / "packs.json"
     if packs.exists():
         segs = json.loads(packs.read_text())
+        if isinstance(segs, dict):  # first pack start to last pack end: what the planner predicts
+            result["packs_makespan_s"] = segs["summary"]["makespan_seconds"]
         segs = segs.get("segments", segs) if isinstance(segs, dict) else segs
         result["pack_segments"] = [
             {k: s.get(k) for k in SEGMENT_KEYS} | {"members": len(s.get("members") or [])} for s in segs
         ]
     return result
+
+
+def planner_prediction(
+    sweep_file: Path, gpus: int, info: dict, *, shape: str, smoke: bool, data_dir: Path | None = None
+) -> dict:
+    """``plora-hpo plan --json`` for this sweep on ``gpus`` devices, with the calibration this
+    machine holds at the time (that of the sweeps run before): the predicted makespan, packs and
+    row length; or the error line that says why there is none."""
+    if smoke:
+        return {"error": "smoke run: a tiny random model, not a shape the planner's cost model knows"}
+    memory = f"{info.get('gpu_memory_gib') or 24:.2f}"
+    argv = ["plan", str(sweep_file), "--model", shape, "--gpus", str(gpus), "--json", "--no-gantt",
+            "--gpu-name", info.get("gpu") or "cpu", "--gpu-memory-gib", memory]  # fmt: skip
+    argv += ["--data-dir", str(data_dir)] if data_dir is not None else []
+    cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        return {"command": "plora-hpo " + shlex.join(argv), "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    plan = json.loads(proc.stdout)
+    keys = ("degree", "gpus", "configs", "step_seconds", "start", "end")
+    return {
+        "command": "plora-hpo " + shlex.join(argv),
+        "makespan_s": plan["makespan"],
+        "seq_len": plan["seq_len"],
+        "seq_len_source": plan["seq_len_source"],
+        "solver": plan["solver"],
+        "solver_note": plan["solver_note"],
+        "calibrated_from": plan["calibrated_from"],
+        "packs": [{k: pack[k] for k in keys} for pack in plan["packs"]],
+    }
 
 
 def read_trials(run_dir: Path, sweep_file: Path, start: float) -> list[dict]:
@@ -916,6 +952,13 @@ def print_table(result: dict) -> None:
         parts = ", ".join(f"{k} {seconds[k]:.1f}" for k in ("startup", "compile", "train", "evaluate") if k in seconds)
         print(f"the same sweep again (warm caches): rc={again['returncode']}, {again.get('wall_s') or math.nan:.1f} s, "
               f"GPU util {s.get('gpu_util_mean_sweep_again') or math.nan:.2f}; {parts}")  # fmt: skip
+    planner = result.get("planner")
+    if planner:
+        plan = planner["predicted"]
+        predicted = (f"{plan['makespan_s']:.1f} s (rows of {plan['seq_len']} tokens)" if "makespan_s" in plan
+                     else f"none ({plan['error']})")  # fmt: skip
+        ran = ", ".join(f"{k} {v:.1f} s" for k, v in planner.get("ran", {}).items() if v is not None) or "-"
+        print(f"planner: predicted makespan {predicted}; packs ran {ran}")
     if result.get("tests"):
         print("pytest -m gpu:", result["tests"].get("summary"))
 
@@ -1056,6 +1099,10 @@ def main(argv=None) -> None:
         return args.budget_s - (time.time() - began)
 
     def save() -> None:  # after every stage: a call cut short still returns what it measured
+        if "planner" in result:
+            result["planner"]["ran"] = {
+                k: result[k].get("packs_makespan_s") for k in ("sweep", "sweep_again") if k in result
+            }
         result["gpu_samples"] = [(round(t, 2), u, round(m, 2)) for t, u, m in sampler.samples]
         result["summary"] = summarize(result, args.configs)
         result["elapsed_s"] = time.time() - began
@@ -1077,6 +1124,15 @@ def main(argv=None) -> None:
             print(f"[sweep] {result['sweep']['error']}; see sweep.log and sweep.timeline.jsonl", flush=True)
         save()
         trials = result["sweep"].get("trials", [])
+        if trials:  # with the calibration the sweep just recorded: a forecast for the next one
+            result["planner"] = {
+                "note": "predicted: plora-hpo plan's makespan for the sweep file on one device (training packs "
+                "only), after the first sweep; ran: each sweep's pack record, first pack start to last pack end "
+                "(its trials' scoring inside the packs included, start-up and closing not)",
+                "predicted": planner_prediction(
+                    sweep_file, 1, info, shape=args.shape, smoke=args.smoke, data_dir=args.data_dir
+                ),
+            }
         if args.again and trials:
             wall = result["sweep"]["wall_s"]
             if left() > wall + 30:

@@ -40,7 +40,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: F401  (plora_hpo importable from a bare checkout)
-from sweep_e2e import CLI_SHIM, device_info, make_model_dir, read_trials, summarize_timeline, versions, write_sweep_file
+from sweep_e2e import (
+    CLI_SHIM,
+    device_info,
+    make_model_dir,
+    planner_prediction,
+    read_trials,
+    summarize_timeline,
+    versions,
+    write_sweep_file,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,31 +90,6 @@ def run_mode(args, sweep_file: Path, work: Path, name: str, device: list[str], w
         events = [json.loads(line) for line in timeline.read_text().splitlines()]
         result["timeline"] = {k: v for k, v in summarize_timeline(events, start, end).items() if k != "note"}
     return result
-
-
-def planner_prediction(args, sweep_file: Path, gpus: int, info: dict) -> dict:
-    """``plora-hpo plan --json`` for this sweep on ``gpus`` devices, with the calibration this
-    machine holds at the time (the warm-up's, when it ran): the predicted makespan and packs; or
-    the error line that says why there is none."""
-    if args.smoke:
-        return {"error": "smoke run: a tiny random model, not a shape the planner's cost model knows"}
-    memory = f"{info.get('gpu_memory_gib') or 24:.2f}"
-    argv = ["plan", str(sweep_file), "--model", args.shape, "--gpus", str(gpus), "--json", "--no-gantt",
-            "--gpu-name", info.get("gpu") or "cpu", "--gpu-memory-gib", memory]  # fmt: skip
-    cmd = [sys.executable, "-c", CLI_SHIM.format(bench=str(ROOT / "benchmarks")), *argv]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if proc.returncode != 0:
-        return {"command": "plora-hpo " + shlex.join(argv), "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
-    plan = json.loads(proc.stdout)
-    keys = ("degree", "gpus", "configs", "step_seconds", "start", "end")
-    return {
-        "command": "plora-hpo " + shlex.join(argv),
-        "makespan_s": plan["makespan"],
-        "solver": plan["solver"],
-        "solver_note": plan["solver_note"],
-        "calibrated_from": plan["calibrated_from"],
-        "packs": [{k: pack[k] for k in keys} for pack in plan["packs"]],
-    }
 
 
 def fmt(phases: dict[str, float]) -> str:
@@ -172,7 +156,10 @@ def main(argv=None) -> None:
     if len(gpus) > 1:
         modes[f"processes@{len(gpus)}"] = (gpus, "processes")
     info = device_info()
-    plans = {n: planner_prediction(args, sweep_file, n, info) for n in sorted({len(dev) for dev, _ in modes.values()})}
+    plans = {
+        n: planner_prediction(sweep_file, n, info, shape=args.shape, smoke=args.smoke)
+        for n in sorted({len(dev) for dev, _ in modes.values()})
+    }
     repeats: dict[str, list[dict]] = {name: [] for name in modes}
     for i in range(args.repeats):  # taking turns: a drift in the machine's state hits every mode alike
         for name, (dev, how) in modes.items():
