@@ -63,6 +63,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -137,6 +138,15 @@ def device_info() -> dict:
         return {"device": "cpu", "gpu": None, "gpu_memory_gib": None}
     props = torch.cuda.get_device_properties(0)
     return {"device": "cuda", "gpu": props.name, "gpu_memory_gib": props.total_memory / 2**30}
+
+
+def gpu_tag(info: dict) -> str:
+    """The GPU's model in a results file's name ('h200' for 'NVIDIA H200', 'h100' for 'NVIDIA H100
+    80GB HBM3'); 'cpu' without a GPU."""
+    if not info.get("gpu"):
+        return "cpu"
+    found = re.search(r"\b([a-z]+\d+)", info["gpu"].lower())
+    return found.group(1) if found else "gpu"
 
 
 class GpuSampler:
@@ -1029,7 +1039,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=560.0, help="skip later stages past this many seconds")
     p.add_argument("--sweep-timeout-s", type=float, default=400.0)
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--name", default=None, help="results file stem (default: sweep-e2e-<task>-h200, or -smoke)")
+    p.add_argument(
+        "--name", default=None, help="results file stem (default: sweep-e2e-<task>-<gpu> such as -h200, or -smoke)"
+    )
     p.add_argument("--colocated-worker", default=None, dest="worker_spec", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
@@ -1092,7 +1104,7 @@ def main(argv=None) -> None:
         "device": device,
         "seed": config.seed,
     }
-    name = args.name or ("sweep-e2e-smoke" if args.smoke else f"sweep-e2e-{args.task}-h200")
+    name = args.name or ("sweep-e2e-smoke" if args.smoke else f"sweep-e2e-{args.task}-{gpu_tag(info)}")
     skipped = result.setdefault("skipped", [])
 
     def left() -> float:

@@ -43,6 +43,7 @@ import _bootstrap  # noqa: F401  (plora_hpo importable from a bare checkout)
 from sweep_e2e import (
     CLI_SHIM,
     device_info,
+    gpu_tag,
     make_model_dir,
     planner_prediction,
     read_trials,
@@ -190,7 +191,7 @@ def main(argv=None) -> None:
     one, many = runs["processes@1"], runs.get(f"processes@{len(gpus)}")
     if len(gpus) > 1 and many and one.get("returncode") == 0 and many.get("returncode") == 0:
         result["scaling"] = one["wall_s"] / many["wall_s"]
-    suffix = "smoke" if args.smoke else f"{device}x{len(gpus)}"
+    suffix = "smoke" if args.smoke else f"{gpu_tag(info)}x{len(gpus)}"
     path = args.out / f"sweep-workers-{suffix}.json"
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
