@@ -133,26 +133,29 @@ def load_tokenizer(spec: str, *, cached_only: bool = False) -> PreTrainedTokeniz
     else:
         hub_from_cache = cached_only and not Path(spec).expanduser().is_dir()
         ref = spec if hub_from_cache else resolve_config(spec)[0]
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(ref, local_files_only=cached_only)
-        except (OSError, ValueError) as err:
-            raise ModelError(
-                f"cannot load the tokenizer of model {spec!r}: {first_line(err)}; check that the folder or hub "
-                "repository holds it (save_pretrained of the tokenizer)"
-            ) from None
-        _check_vocabulary(tokenizer, spec)
+        tokenizer = _pretrained_tokenizer(ref, spec, cached_only=cached_only)
     _prepare_tokenizer(tokenizer)
     return tokenizer
 
 
-def _check_vocabulary(tokenizer: PreTrainedTokenizerBase, spec: str) -> None:
-    """A folder with a config but no tokenizer files still gives a tokenizer, one of special
-    tokens only, which encodes every text to nothing: refuse it."""
+def _pretrained_tokenizer(ref: str, spec: str, *, cached_only: bool = False) -> PreTrainedTokenizerBase:
+    """The tokenizer of a model folder or hub repository; one-line ModelError when there is none.
+
+    A folder with a config but no tokenizer files still gives a tokenizer, one of special tokens
+    only, which encodes every text to nothing: that is refused too."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ref, local_files_only=cached_only)
+    except (OSError, ValueError) as err:
+        raise ModelError(
+            f"cannot load the tokenizer of model {spec!r}: {first_line(err)}; check that the folder or hub "
+            "repository holds it (save_pretrained of the tokenizer)"
+        ) from None
     if len(tokenizer) <= len(tokenizer.all_special_ids):
         raise ModelError(
             f"model {spec!r} has no tokenizer vocabulary (no tokenizer files beside its config); save the "
             "tokenizer there too (tokenizer.save_pretrained)"
         )
+    return tokenizer
 
 
 def shape_from_config(config: PretrainedConfig) -> ModelShape:
@@ -296,11 +299,10 @@ def _load_pretrained(spec: str, dtype: torch.dtype, device: torch.device) -> Loa
         model = AutoModelForCausalLM.from_pretrained(
             ref, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION, device_map=device
         )
-        tokenizer = AutoTokenizer.from_pretrained(ref)
     except (OSError, ValueError) as err:
         raise ModelError(
             f"cannot load model {spec!r}: {first_line(err)}; check that the folder or hub repository "
-            "holds the weights and the tokenizer (save_pretrained of both)"
+            "holds the weights (save_pretrained of the model)"
         ) from None
-    _check_vocabulary(tokenizer, spec)
+    tokenizer = _pretrained_tokenizer(ref, spec)
     return LoadedModel(model, tokenizer, ref, shape_from_config(model.config), source)
