@@ -25,6 +25,7 @@ import numpy as np
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.planner.cost_model import CostModel
 from plora_hpo.planner.dtm import ConfigType, PackSearch
+from plora_hpo.planner.fill import spread_deferred
 
 
 @dataclass(frozen=True)
@@ -221,45 +222,22 @@ class PlannerAdmission(AdmissionPolicy):
 
 
 def _spread_deferred(packs: list[list[int]], waiting: Sequence[Candidate], room: Room) -> None:
-    """Give the trials the plan left for a later wave to the starting packs they fit in, longest
-    first, each to the pack that then ends earliest.
-
-    The job planner times a pack as if every member ran until the longest one ends; a sweep's
-    pack lets members leave when their own steps are done and refills the slot. A trial deferred
-    under that view would wait for the first device to free up and then run on it nearly alone,
-    ending the sweep late; joining a starting pack that has room costs that pack little.
-    """
+    """Give the waiting trials the plan left for a later wave to the starting packs they fit in
+    (:func:`~plora_hpo.planner.fill.spread_deferred`), within the room's slots and memory."""
     if not packs:
         return
     planned = {i for pack in packs for i in pack}
-    deferred = sorted((i for i in range(len(waiting)) if i not in planned), key=lambda i: -waiting[i].steps)
     cm = room.cost_model
-    for i in deferred:
-        best, best_end = None, math.inf
-        for pack in packs:
-            together = [*pack, i]
-            if len(together) > room.free_slots or not room.fits([waiting[k].config for k in together]):
-                continue
-            end = drain_seconds(cm, [waiting[k] for k in together], room.degree)
-            if end < best_end:
-                best, best_end = pack, end
-        if best is not None:
-            best.append(i)
-    for pack in packs:
-        pack.sort()
 
+    def fits(_: int, together: list[int]) -> bool:
+        return len(together) <= room.free_slots and room.fits([waiting[i].config for i in together])
 
-def drain_seconds(cm: CostModel, members: Sequence[Candidate], degree: int = 1) -> float:
-    """Predicted seconds until a pack of ``members`` on ``degree`` GPUs ends, each leaving after its
-    own steps (no refill)."""
-    left = sorted(members, key=lambda c: c.steps)
-    seconds, done = 0.0, 0
-    while left:
-        steps = left[0].steps - done
-        seconds += steps * cm.step_seconds([c.config for c in left], degree)
-        done = left[0].steps
-        left = [c for c in left if c.steps > done]
-    return seconds
+    def seconds(_: int, together: list[int]) -> float:
+        members = [waiting[i] for i in together]
+        return cm.pack_seconds([c.config for c in members], [c.steps for c in members], room.degree)
+
+    deferred = [i for i in range(len(waiting)) if i not in planned]
+    spread_deferred(packs, deferred, [c.steps for c in waiting], fits=fits, seconds=seconds)
 
 
 def _solver_label(search: PackSearch) -> str:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.admission import Candidate, FifoAdmission, PlannerAdmission, Room, drain_seconds, make_admission
+from plora_hpo.admission import Candidate, FifoAdmission, PlannerAdmission, Room, make_admission
 from plora_hpo.planner import CostModel, GpuSpec, Workload, resolve_model
 from plora_hpo.trials import PoolClosed, TrialPool, TrialRequest, TrialTicket
 
@@ -238,13 +238,6 @@ def test_planner_plans_one_pack_per_idle_device_and_leaves_the_others_for_them(c
     flat = [i for p in packs for i in p]
     assert len(flat) == len(set(flat))  # no trial in two devices' packs (the rest wait for later packs)
     assert "job planner over 4 idle devices" in policy.last.solver
-
-
-def test_drain_seconds_lets_members_leave_after_their_own_steps(cost_model):
-    short, long = Candidate(cfg(seed=1), 10), Candidate(cfg(seed=2), 30)
-    together = cost_model.step_seconds([short.config, long.config])
-    alone = cost_model.step_seconds([long.config])
-    assert drain_seconds(cost_model, [long, short]) == pytest.approx(10 * together + 20 * alone)
 
 
 def test_a_plan_for_idle_devices_leaves_no_trial_waiting_that_a_starting_pack_fits(cost_model):

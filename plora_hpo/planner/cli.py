@@ -144,6 +144,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
         "checkpointing": args.checkpointing,
         "solver": args.solver,
         "allow_unschedulable": args.allow_unschedulable,
+        "fill": True,  # the packs a sweep starts
     }
     description = (
         f"{len(configs)} configs of {path} on {args.gpus} × {args.gpu_name} ({args.gpu_memory_gib:g} GiB, "

@@ -1,4 +1,4 @@
-"""One call from configs to a whole predicted schedule: what ``plora-hpo plan`` and the sweep use."""
+"""One call from configs to a whole predicted schedule: what ``plora-hpo plan`` prints."""
 
 from __future__ import annotations
 
@@ -48,6 +48,7 @@ def plan_packs(
     solver: str = "auto",
     allow_unschedulable: bool = False,
     calibration: Calibration | None = None,
+    fill: bool = False,
 ) -> Schedule:
     """Plan which configs train together on which GPUs, and when (PLoRA's DTM + job planner).
 
@@ -66,6 +67,8 @@ def plan_packs(
         allow_unschedulable: leave out configs that fit nowhere (listed in the result) instead
             of raising :class:`~plora_hpo.planner.simulate.UnschedulableError`.
         calibration: cost-model factors; default: the stored calibration of (model, GPU) if any.
+        fill: plan the packs a sweep starts: configs DTM leaves for a later wave join a starting
+            pack they fit in (:mod:`~plora_hpo.planner.fill`); False: the paper's DTM alone.
 
     Returns:
         The schedule, with baselines, lower bound, solver and planning time.
@@ -88,6 +91,7 @@ def plan_packs(
             solver=solver,
             long_first=long_first,
             horizon_slack=horizon_slack,
+            fill=fill,
         )
         planner.add_configs(configs, steps, skip_unschedulable=allow_unschedulable)
         if not planner.pending:

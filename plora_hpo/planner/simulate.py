@@ -17,6 +17,7 @@ is made ahead of time.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -26,6 +27,7 @@ from plora_hpo.adapter import AdapterConfig
 from plora_hpo.errors import PloraError
 from plora_hpo.planner.cost_model import CostModel
 from plora_hpo.planner.dtm import ConfigType, PackChoice, PackSearch, decompose, powers_of_two
+from plora_hpo.planner.fill import spread_deferred
 
 _EPS = 1e-9
 
@@ -71,6 +73,8 @@ class JobPlanner:
             running configs first; see :meth:`PackSearch.best`.
         horizon_slack: packs should end within this multiple of the time the remaining work
             needs at the best rate on all GPUs (None: no cap, pure throughput).
+        fill: give the configs DTM leaves for a later wave to the starting packs they fit in, as a
+            sweep does (:mod:`~plora_hpo.planner.fill`); False: the paper's DTM alone.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class JobPlanner:
         solver: str = "auto",
         long_first: float = 1.0,
         horizon_slack: float | None = 1.0,
+        fill: bool = False,
     ) -> None:
         if num_gpus < 1:
             raise PloraError(f"need at least one GPU to plan on, got {num_gpus}; pass --gpus 1 or more")
@@ -101,6 +106,7 @@ class JobPlanner:
         self.solver = solver
         self.long_first = long_first
         self.horizon_slack = horizon_slack
+        self.fill = fill
         self.now = 0.0
         self.configs: list[AdapterConfig] = []
         self.steps: list[int] = []
@@ -259,14 +265,33 @@ class JobPlanner:
         choices = decompose(
             self._search, len(free), counts, max_degree=self.max_degree, estimate=estimate, horizon=horizon
         )
-        return [self._start(choice, free) for choice in choices]
+        packs = [self._take(choice) for choice in choices]
+        if self.fill:
+            self._fill(packs, [choice.degree for choice in choices])
+        return [self._start(ids, choice, free) for ids, choice in zip(packs, choices)]
 
-    def _start(self, choice: PackChoice, free: list[int]) -> PlannedPack:
+    def _take(self, choice: PackChoice) -> list[int]:
+        """The pending config ids of the types ``choice`` counts (earliest first), taken off the queue."""
         ids: list[int] = []
         for t, n in enumerate(choice.counts):
             ids += self._pending[t][:n]
             del self._pending[t][:n]
-        ids.sort()
+        return sorted(ids)
+
+    def _fill(self, packs: list[list[int]], degrees: list[int]) -> None:
+        """Give pending configs to the starting ``packs`` (config ids, on ``degrees`` GPUs) they fit in."""
+        cm, cap = self.cost_model, self.max_pack_size or math.inf
+
+        def fits(k: int, ids: list[int]) -> bool:
+            return len(ids) <= cap and cm.peak_memory([self.configs[i] for i in ids], degrees[k]) <= self.memory_limit
+
+        def seconds(k: int, ids: list[int]) -> float:
+            return cm.pack_seconds([self.configs[i] for i in ids], [self.steps[i] for i in ids], degrees[k])
+
+        placed = set(spread_deferred(packs, self.pending, self.steps, fits=fits, seconds=seconds))
+        self._pending = [[i for i in ids if i not in placed] for ids in self._pending]
+
+    def _start(self, ids: list[int], choice: PackChoice, free: list[int]) -> PlannedPack:
         gpus = [free.pop(0) for _ in range(choice.degree)]
         configs = [self.configs[i] for i in ids]
         steps = [self.steps[i] for i in ids]

@@ -56,16 +56,45 @@ def check_invariants(schedule, n_configs: int, memory_limit: float) -> None:
 
 
 @SETTINGS
-@given(sweeps())
-def test_every_plan_keeps_the_invariants(sweep):
+@given(sweeps(), st.booleans())
+def test_every_plan_keeps_the_invariants(sweep, fill):
     try:
-        schedule = plan_packs(**sweep)
+        schedule = plan_packs(**sweep, fill=fill)
     except PloraError as err:  # nothing fits at all on these GPUs: the error says so
         assert "none of the" in str(err)
         return
     check_invariants(schedule, len(sweep["configs"]), 0.9 * sweep["gpu"].memory_bytes)
     event(f"planned {len(schedule.packs)} packs, {len(schedule.unschedulable)} unschedulable")
     assert schedule.max_degree <= (sweep["max_degree"] or sweep["num_gpus"])
+
+
+@pytest.mark.parametrize(
+    ("shape", "seq_len", "gib", "defers"),
+    [("qwen2.5-1.5b", 151, 139.8, True), ("qwen2.5-7b", 512, 80.0, False)],  # all fit in one pack / memory binds
+)
+def test_a_filled_plan_starts_the_pack_the_sweep_s_admission_starts(shape, seq_len, gib, defers):
+    """DTM defers configs that would lower a pack's tokens per second; a sweep's admission gives
+    them to the starting pack if they fit, and a plan made with ``fill`` does the same, so it
+    predicts the pack the sweep starts."""
+    from plora_hpo.admission import Candidate, PlannerAdmission, Room
+
+    cm = CostModel(Workload(shape_by_name(shape), seq_len), GpuSpec("NVIDIA H200", gib))
+    kinds = [(r, b) for r in (8, 16, 32, 64, 128) for b in (2, 8)]
+    configs = [config(r, b, seed=i) for i, (r, b) in enumerate((kinds * 4)[:32])]
+    steps = [150 if c.batch_size == 2 else 60 for c in configs]
+    plans = {}
+    for fill in (False, True):
+        jp = JobPlanner(cm, num_gpus=1, max_pack_size=32, fill=fill)
+        jp.add_configs(configs, steps)
+        plans[fill] = run_to_completion(jp)
+    room = Room(members=(), free_slots=32, memory_limit=jp.memory_limit, cost_model=cm)
+    admitted = PlannerAdmission().select([Candidate(c, s) for c, s in zip(configs, steps)], room)
+    assert sorted(admitted) == plans[True][0].configs
+    if defers:  # DTM alone left configs for later packs; the sweep and the filled plan start them all
+        assert len(plans[False]) > 1 and plans[True][0].configs == list(range(32))
+    else:
+        assert len(plans[True]) > 1
+    assert max(p.end for p in plans[True]) <= max(p.end for p in plans[False]) * (1 + 1e-9)
 
 
 def planner(num_gpus: int = 2, **kwargs) -> JobPlanner:
