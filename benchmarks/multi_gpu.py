@@ -20,8 +20,8 @@ Device, two GPUs (wheels from ``benchmarks/gpu_wheels.py`` in ``.whl``)::
 
     PYTHONUNBUFFERED=1 python3 benchmarks/multi_gpu.py --tokenizer .whl/tokenizer
 
-CPU smoke run (both scripts' smoke modes: a tiny random model, two CPU "devices" and gloo; about
-three minutes on two cores)::
+CPU smoke run (both scripts' smoke modes: a tiny random model, two CPU "devices" and gloo; under
+two minutes on two cores)::
 
     python benchmarks/multi_gpu.py --smoke --tokenizer .whl/tokenizer
 """
