@@ -103,7 +103,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
             grid_configs = _sweep_grid_configs(space, sweep.seed, sweep.n_trials)
         model = args.model or sweep.model
         targets, budget, task = tuple(sweep.target_modules), sweep.budget, sweep.tasks[0]
-        seq_len, seq_source = _row_tokens(sweep, args.data_dir) if args.seq_len is None else (args.seq_len, "--seq-len")
+        rows_of: SweepConfig | None = sweep  # its training rows, read once the cheap checks pass
         pack_size = args.max_pack_size or sweep.pack.size
         dtype_bytes = 4 if sweep.dtype == "float32" else 2
     else:
@@ -117,7 +117,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
             ) from None
         space = SearchSpace(spec)
         samples, model, targets, budget, task = args.samples, args.model, TARGET_MODULES, None, None
-        seq_len, seq_source = (512, "a search space's default") if args.seq_len is None else (args.seq_len, "--seq-len")
+        rows_of = None
         pack_size, dtype_bytes = args.max_pack_size, 2
     if not space.is_grid and samples is None:
         raise ConfigError(f"{path}: the space has ranges; pass --samples N to plan N sampled configs")
@@ -130,6 +130,12 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
     if not configs:
         raise ConfigError(f"{path}: the search space yields no configs; add choices or pass --samples N")
     steps = _steps(args, configs, budget, task, path)
+    if args.seq_len is not None:
+        seq_len, seq_source = args.seq_len, "--seq-len"
+    elif rows_of is not None:  # loads the tokenizer and the task data: seconds, so after the one-line refusals
+        seq_len, seq_source = _row_tokens(rows_of, args.data_dir)
+    else:
+        seq_len, seq_source = 512, "a search space's default"
     kwargs = {
         "shape": shape,
         "seq_len": seq_len,

@@ -109,6 +109,24 @@ def test_a_sweep_is_planned_with_its_longest_training_row(capsys, tmp_path):
     assert fallback["seq_len"] == 512 and "a random-init model has no tokenizer" in fallback["seq_len_source"]
 
 
+def test_a_bad_flag_is_refused_before_the_training_data_is_read(tmp_path, monkeypatch):
+    """Reading the rows takes the tokenizer and the task data (seconds); a bad --model needs neither."""
+    import yaml
+
+    from plora_hpo import models
+
+    def never(*_args, **_kwargs):
+        raise AssertionError("the training rows were read before the flags were checked")
+
+    monkeypatch.setattr(models, "load_tokenizer", never)
+    data = yaml.safe_load((SPACES / "paper120.yaml").read_text())
+    data.update(model="smollm2-135m", tasks=["synthetic"], n_trials=4, budget={"steps": 50})
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError, match="unknown model shape 'gpt-9'"):
+        plan(str(sweep_file), "--model", "gpt-9", "--gpus", "1", "--gpu-memory-gib", "80", "--no-gantt")
+
+
 def test_table_and_hub_id_mapping(capsys, tmp_path):
     # adaptive.yaml names Qwen/Qwen2.5-1.5B-Instruct: the shape follows from the hub id.
     args = ["--gpus", "2", "--gpu-memory-gib", "80", "--samples", "12", "--steps", "100", "--no-gantt"]
