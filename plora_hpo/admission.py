@@ -230,7 +230,7 @@ def _spread_deferred(packs: list[list[int]], waiting: Sequence[Candidate], room:
     cm = room.cost_model
 
     def fits(_: int, together: list[int]) -> bool:
-        return len(together) <= room.free_slots and room.fits([waiting[i].config for i in together])
+        return room.fits([waiting[i].config for i in together])  # slots and memory
 
     def seconds(_: int, together: list[int]) -> float:
         members = [waiting[i] for i in together]
