@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import statistics
 import threading
 import time
 from collections import deque
@@ -387,6 +388,7 @@ class _Pack:
         self._composition = 0  # bumped on every join or leave
         self._planned_for: tuple[int, int] | None = None  # (pool version, composition) last planned for
         self._segment: PackSegment | None = None
+        self._segment_configs: list[AdapterConfig] = []  # the adapters of the open segment
         self._joined: list[str] = []
         self._reported_at = time.monotonic()
         self._saves_due: dict[str, None] = {}  # adapters whose checkpoint fell due, in order, not yet saved
@@ -582,6 +584,12 @@ class _Pack:
             seg.measured_step_seconds = sum(warm) / len(warm) if warm else None
             if self.worker.device.type == "cuda" and seconds:
                 seg.measured_peak_gib = torch.cuda.max_memory_allocated(self.worker.device) / 2**30
+            if len(warm) > CALIBRATION_STEPS:  # refit on its first steps: now on all of them
+                try:
+                    with phase("calibrate"):
+                        self._calibrate(self._segment_configs, warm)
+                except OSError as err:  # this also runs as a failed pack ends: its error is the one raised
+                    log.warning("%s: its cost-model record was not saved: %s", self.pack_id, first_line(err))
             if seg.steps or seg.joined:
                 with phase("mlflow"):
                     self.reporter.pack_segment(seg)
@@ -589,7 +597,7 @@ class _Pack:
         if not self.slots:
             return
         ids = list(self.slots)
-        configs = self._configs()
+        configs = self._segment_configs = self._configs()
         decision = self.worker.admission.last
         self._segment = PackSegment(
             pack_id=self.pack_id,
@@ -928,13 +936,19 @@ class _Pack:
     # --- cost model -----------------------------------------------------------------------------
     def _maybe_calibrate(self) -> None:
         """After ``CALIBRATION_STEPS`` warm steps of one composition, refit the cost model on them
-        (admission then decides with it, and later sweeps start from it)."""
+        (admission then decides with it); the composition's end refits on all of its steps."""
+        seconds = self.trainer.stats.step_seconds[self._stable_since :]
+        if len(seconds) == CALIBRATION_STEPS + 1:
+            self._calibrate(self._configs(), seconds[1:])
+
+    def _calibrate(self, configs: list[AdapterConfig], seconds: list[float]) -> None:
+        """Record the pack as it ran (the median of ``seconds``, its warm steps: a step slowed by a
+        compile, the allocator growing or a finished neighbour's export does not stand for the
+        pack; the peak memory since its composition began) and refit the cost model on it, for
+        admission now and for later sweeps."""
         from plora_hpo.planner import CostModel, record_observation
         from plora_hpo.planner.model_names import shape_name_for_shape
 
-        seconds = self.trainer.stats.step_seconds[self._stable_since :]
-        if len(seconds) != CALIBRATION_STEPS + 1:
-            return
         worker = self.worker
         shape_name = shape_name_for_shape(worker.base.shape)
         if shape_name is None:  # a model of unlisted shape: nothing to calibrate against
@@ -944,11 +958,12 @@ class _Pack:
         calibration = record_observation(
             shape_name,
             worker.gpu,
-            self._configs(),
+            configs,
             workload.seq_len,
             workload.targets,
-            step_seconds=sum(seconds[1:]) / CALIBRATION_STEPS,
+            step_seconds=statistics.median(seconds),
             peak_bytes=peak,
+            steps_measured=len(seconds),
             degree=worker.degree,
             dtype_bytes=workload.dtype_bytes,
             checkpointing=workload.checkpointing,

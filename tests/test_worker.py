@@ -96,6 +96,36 @@ def test_pack_memory_knobs_reach_engine_and_admission(tmp_path, monkeypatch):
         assert losses == pytest.approx(reference[config][1], rel=1e-5)
 
 
+def test_the_cost_model_learns_a_pack_from_its_typical_step(tmp_path, monkeypatch):
+    """A pack's first warm steps refit the cost model on their median, so one slow step (a compile,
+    the allocator growing) does not stand for the pack; when the composition ends it is refitted on
+    all of its steps, and that record replaces the first in the calibration store."""
+    seconds = [0.5, 9.0, 1.0, 1.0, 3.0]  # the 4-adapter pack's five steps, as the trainer times them
+    real_step, real_record, recorded = PackedTrainer.step, planner.record_observation, []
+
+    def step(self):
+        reports = real_step(self)
+        self.stats.step_seconds[-1] = seconds[len(self.stats.step_seconds) - 1]
+        return reports
+
+    def record(*args, **kwargs):
+        recorded.append((kwargs["step_seconds"], kwargs["steps_measured"], len(args[2])))
+        return real_record(*args, **kwargs)
+
+    monkeypatch.setenv("PLORA_HPO_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(PackedTrainer, "step", step)
+    monkeypatch.setattr(planner, "record_observation", record)
+    monkeypatch.setattr(worker_module, "CALIBRATION_STEPS", 3)
+    _, sweep = train_batch(tmp_path, "typical")
+
+    # after 3 warm steps: median(9, 1, 1) (their mean is 3.7); at the end: median(9, 1, 1, 3)
+    assert recorded == [(1.0, 3, 4), (2.0, 4, 4)]
+    [store] = (tmp_path / "cache" / "calibration").iterdir()
+    [kept] = json.loads(store.read_text())["observations"]
+    assert (kept["step_seconds"], kept["steps_measured"]) == (2.0, 4)
+    assert sweep.workers[0].cost.calibration.observations == 1
+
+
 class PruneTrialZero(optuna.pruners.BasePruner):
     """A real Optuna pruner with a fixed verdict, so the test knows which slot frees up."""
 

@@ -70,6 +70,24 @@ class Observation:
     micro_batch_tokens: int | None = None
     engine: str = "packed"
     knobs: dict = field(default_factory=dict)  # the engine settings of the run, as recorded
+    steps_measured: int = 0  # training steps step_seconds was measured over (0: not said)
+
+    @property
+    def pack_key(self) -> tuple:
+        """What was measured, less the measurement: two observations with the same key timed the
+        same pack (the same adapters' ranks and batch sizes, in any order) under the same workload."""
+        return (
+            tuple(sorted(zip(self.ranks, self.batch_sizes))),
+            self.seq_len,
+            self.targets,
+            self.degree,
+            self.dtype_bytes,
+            self.checkpointing,
+            self.logits_chunk_tokens,
+            self.micro_batch_tokens,
+            self.engine,
+            json.dumps(self.knobs, sort_keys=True),
+        )
 
     @property
     def modelled(self) -> bool:
@@ -280,11 +298,17 @@ def record_observation(
     checkpointing: bool = False,
     logits_chunk_tokens: int | None = 4096,
     micro_batch_tokens: int | None = None,
+    steps_measured: int = 0,
     directory: Path | None = None,
 ) -> Calibration:
     """Store one measured pack, refit the (model, GPU) factors, persist and return them.
 
-    The trainer calls this after a pack's first iterations (skip the first one or two: warm-up).
+    The trainer calls this after a pack's first iterations (skip the first one or two: warm-up),
+    and again when the pack's composition ends, over all of its steps. The store keeps one
+    observation per pack (:attr:`Observation.pack_key`): a measurement over at least as many steps
+    replaces the earlier one, so a pack's first few steps (slowed by a finishing neighbour's
+    exports, allocator growth or a compile) stand only until its longer measurement arrives; a
+    shorter one leaves the longer in place.
 
     Args:
         model: shape name or hub id (``qwen2.5-7b``, ``Qwen/Qwen2.5-7B-Instruct``).
@@ -292,8 +316,10 @@ def record_observation(
             ``"cpu"`` for CPU runs, or a :class:`GpuSpec` with non-default rates.
         configs: the adapters alive in the pack during the measured steps.
         seq_len, targets: as in the sweep.
-        step_seconds: mean wall seconds of one packed step (None: not measured).
+        step_seconds: wall seconds of one packed step, typical of the measured ones (the sweep gives their
+            median; None: not measured).
         peak_bytes: ``torch.cuda.max_memory_allocated()`` on one of the pack's GPUs (None: not measured).
+        steps_measured: training steps ``step_seconds`` was measured over (0: not said).
         degree: GPUs the pack ran on.
         dtype_bytes, checkpointing, logits_chunk_tokens, micro_batch_tokens: as in :class:`Workload`.
         directory: calibration directory (default :func:`cache_dir`).
@@ -308,7 +334,7 @@ def record_observation(
     spec = _gpu_for(gpu)
     shape_name, shape = resolve_model(model)
     path = calibration_path(shape_name, spec.name, directory)
-    stored = _read(path).get("observations", []) if path.is_file() else []
+    stored = [Observation.from_dict(o) for o in (_read(path).get("observations", []) if path.is_file() else [])]
     observation = Observation(
         ranks=tuple(int(c.rank) for c in configs),
         batch_sizes=tuple(int(c.batch_size) for c in configs),
@@ -321,9 +347,14 @@ def record_observation(
         checkpointing=checkpointing,
         logits_chunk_tokens=logits_chunk_tokens,
         micro_batch_tokens=micro_batch_tokens,
+        steps_measured=steps_measured,
     )
-    kept = [Observation.from_dict(o) for o in stored][-(MAX_KEPT_OBSERVATIONS - 1) :]
-    observations = [*kept, observation]
+    same = [o for o in stored if o.pack_key == observation.pack_key]
+    if any(o.steps_measured > steps_measured for o in same):
+        observations = stored  # a longer measurement of this pack stands
+    else:
+        kept = [o for o in stored if o.pack_key != observation.pack_key]
+        observations = [*kept[-(MAX_KEPT_OBSERVATIONS - 1) :], observation]
     calibration = fit_calibration(observations, shape, spec)
     path.parent.mkdir(parents=True, exist_ok=True)
     payload = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 
@@ -219,11 +220,24 @@ def test_a_recorded_degree_two_pack_keeps_its_degree(calibration_cache):
     terms = prior.step_terms(configs, 2)
     assert prior.device_seconds(terms) > prior.launch_seconds(terms)
     seconds = 1.5 * prior.step_seconds(configs, 2)
-    for _ in range(3):
-        fitted = record_observation("qwen2.5-1.5b", "H200", configs, 512, TARGET_MODULES, seconds, None, degree=2)
+    fitted = record_observation("qwen2.5-1.5b", "H200", configs, 512, TARGET_MODULES, seconds, None, degree=2)
     stored = json.loads(calibration_path("qwen2.5-1.5b", "H200").read_text())
-    assert [o["degree"] for o in stored["observations"]] == [2, 2, 2]
+    assert [o["degree"] for o in stored["observations"]] == [2]
     assert Observation.from_dict(stored["observations"][0]).degree == 2
     assert fitted.comm > 1.0  # a degree-2 pack informs the all-reduces' factor
     after = CostModel(Workload(SHAPE, 512), GPU, fitted).step_seconds(configs, 2)
     assert after == pytest.approx(seconds, rel=0.05)
+
+
+def test_the_store_keeps_one_observation_per_pack_the_longest_measured():
+    pack = [config(16, 4), config(64, 8)]
+    record = functools.partial(record_observation, "qwen2.5-1.5b", "H200", seq_len=512, targets=TARGET_MODULES)
+    record(pack, step_seconds=0.5, peak_bytes=None, steps_measured=8)  # a pack's first steps
+    record([config(8, 2)], step_seconds=0.2, peak_bytes=None, steps_measured=8)  # another pack
+    record(list(reversed(pack)), step_seconds=0.3, peak_bytes=None, steps_measured=400)  # the same pack, all its steps
+    record(pack, step_seconds=0.9, peak_bytes=None, steps_measured=8)  # a later sweep's first steps of it
+    record(pack, step_seconds=0.4, peak_bytes=None, steps_measured=8, degree=2)  # split over 2 GPUs: another pack
+
+    stored = json.loads(calibration_path("qwen2.5-1.5b", "H200").read_text())["observations"]
+    got = sorted((o["ranks"], o["degree"], o["step_seconds"], o["steps_measured"]) for o in stored)
+    assert got == [([8], 1, 0.2, 8), ([16, 64], 2, 0.4, 8), ([64, 16], 1, 0.3, 400)]
