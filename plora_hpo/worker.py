@@ -720,8 +720,7 @@ class _Pack:
                 self._fail(slot, report.fail_reason)
             else:
                 slot.curve.append((report.step, report.loss, report.lr))
-        with phase("calibrate"):
-            self._maybe_calibrate()
+        self._maybe_calibrate()
         self._report_progress()
         self._checkpoint(list(self.trainer.jobs))
         self._prune([a for a in self.trainer.jobs if not self.trainer.is_done(a)], reports)
@@ -939,7 +938,8 @@ class _Pack:
         (admission then decides with it); the composition's end refits on all of its steps."""
         seconds = self.trainer.stats.step_seconds[self._stable_since :]
         if len(seconds) == CALIBRATION_STEPS + 1:
-            self._calibrate(self._configs(), seconds[1:])
+            with phase("calibrate"):
+                self._calibrate(self._configs(), seconds[1:])
 
     def _calibrate(self, configs: list[AdapterConfig], seconds: list[float]) -> None:
         """Record the pack as it ran (the median of ``seconds``, its warm steps: a step slowed by a
