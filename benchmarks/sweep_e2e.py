@@ -33,7 +33,8 @@ and which are extrapolated to all configs (``measured`` / ``extrapolated`` keys,
 
 The sweep runs with ``PLORA_HPO_TIMELINE`` set, so its worker writes every phase (training,
 evaluation, export, checkpoint, MLflow, planner, Optuna hand-off, waiting) with wall-clock times;
-GPU utilisation is sampled through NVML meanwhile. The JSON and a PNG timeline go under ``$OUT``;
+GPU utilisation is sampled through NVML meanwhile (its mean over the sweep, and over the samples
+taken inside training steps). The JSON and a PNG timeline go under ``$OUT``;
 a short table is printed last.
 
 Device (from the repository root, wheels from ``benchmarks/gpu_wheels.py`` in ``.whl``, MRPC in a
@@ -56,6 +57,7 @@ CPU smoke run (a tiny random model, a few steps, every code path)::
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime as dt
 import gc
 import itertools
@@ -186,6 +188,22 @@ class GpuSampler:
         vals = [u for t, u, _ in self.samples if start <= t <= end]
         return sum(vals) / len(vals) / 100 if vals else None
 
+    def mean_util_during(self, spans: list[tuple[float, float]]) -> float | None:
+        """Mean utilisation over the samples taken inside any of ``spans`` (e.g. the training steps)."""
+        merged: list[list[float]] = []
+        for start, end in sorted(spans):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        starts = [start for start, _ in merged]
+        vals = []
+        for t, u, _ in self.samples:
+            i = bisect.bisect_right(starts, t) - 1
+            if i >= 0 and t <= merged[i][1]:
+                vals.append(u)
+        return sum(vals) / len(vals) / 100 if vals else None
+
     def peak_gib(self, start: float, end: float) -> float | None:
         vals = [m for t, _, m in self.samples if start <= t <= end]
         return max(vals) if vals else None
@@ -276,6 +294,8 @@ def run_sweep(
     events = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
     result["timeline"] = summarize_timeline(events, start, end)
     result["events"] = events
+    steps = [(e["start"], e["end"]) for e in events if e["phase"] == "train"]
+    result["gpu_util_mean_training_steps"] = sampler.mean_util_during(steps)
     packs = run_dir / "packs" / "packs.json"
     if packs.exists():
         segs = json.loads(packs.read_text())
@@ -903,6 +923,7 @@ def summarize(result: dict, n_configs: int) -> dict:
     tl = sweep.get("timeline", {})
     frac = tl.get("fraction", {})
     out["gpu_util_mean_sweep"] = sweep.get("gpu_util_mean")
+    out["gpu_util_mean_training_steps"] = sweep.get("gpu_util_mean_training_steps")
     out["timeline_train_fraction"] = frac.get("train")
     out["timeline_eval_fraction"] = frac.get("evaluate")
     out["step_seconds_median"] = tl.get("step_seconds_median")
@@ -920,7 +941,8 @@ def print_table(result: dict) -> None:
     print("\n=== sweep_e2e", result["workload"], "===")
     print(f"{'what':34s} {'makespan s':>11s} {'vs sweep':>9s}  note")
     print(f"{'plora-hpo sweep (measured)':34s} {s['sweep_makespan_s'] or float('nan'):11.1f} {1.0:9.2f}  "
-          f"rc={sweep['returncode']}, GPU util {s.get('gpu_util_mean_sweep') or float('nan'):.2f}")  # fmt: skip
+          f"rc={sweep['returncode']}, GPU util {s.get('gpu_util_mean_sweep') or float('nan'):.2f} "
+          f"({s.get('gpu_util_mean_training_steps') or float('nan'):.2f} in training steps)")  # fmt: skip
     for kind in ("sequential", "colocated"):
         b = result.get(kind)
         if not b:

@@ -1,4 +1,5 @@
-"""benchmarks/sweep_e2e.py's engine_only stage finds the sweep's biggest pack and its steps on the timeline."""
+"""benchmarks/sweep_e2e.py's engine_only stage finds the sweep's biggest pack and its steps on the timeline;
+its GPU sampler averages the samples inside given spans."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from sweep_e2e import biggest_segment, segment_step_starts  # noqa: E402
+from sweep_e2e import GpuSampler, biggest_segment, segment_step_starts  # noqa: E402
 
 
 def segment(members: int, steps: int, device: str = "cuda:0") -> dict:
@@ -59,3 +60,12 @@ def test_slow_steps_say_what_slowed_them():
         {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"]},
         {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": []},
     ]
+
+
+def test_gpu_utilisation_inside_spans_counts_each_sample_once():
+    sampler = GpuSampler()
+    sampler.samples = [(t, u, 1.0) for t, u in [(0.5, 10), (1.2, 90), (1.8, 100), (2.5, 0), (3.1, 80), (9.0, 50)]]
+    # two steps overlapping (two devices' threads) and one more; samples at 0.5, 2.5 and 9.0 fall outside
+    spans = [(3.0, 3.5), (1.0, 1.5), (1.4, 2.0)]
+    assert sampler.mean_util_during(spans) == (90 + 100 + 80) / 3 / 100
+    assert sampler.mean_util_during([]) is None
