@@ -80,11 +80,26 @@ def fresh_eval_tasks(config: SweepConfig, specs: dict[str, TaskSpec], data_dir: 
     return {task: build_eval_tasks(specs[task], data_dir=data_dir, num_fewshot=num_fewshot) for task in config.tasks}
 
 
+def sweep_train_examples(config: SweepConfig, spec: TaskSpec, tokenizer: Any, data_dir: str | None) -> list:
+    """A task's training examples as the sweep trains them: its ``seq_len``, example cap and seed
+    (what ``plora-hpo plan`` sizes rows by, too)."""
+    from plora_hpo.tasks import load_train_examples
+
+    return load_train_examples(
+        spec,
+        tokenizer,
+        seq_len=config.seq_len,
+        data_dir=data_dir,
+        max_examples=config.budget.max_train_examples,
+        seed=config.seed,
+    )
+
+
 def load_replica(config: SweepConfig, device: torch.device, data_dir: str | None, *, sharded: bool = False) -> Replica:
     """Load the base model on ``device`` and every task's data (timed as ``load-model`` and
     ``load-data``). Raises :class:`~plora_hpo.errors.ConfigError` for a model without a tokenizer
     or a batch size larger than a task's training set, and the loaders' errors for missing data."""
-    from plora_hpo.tasks import load_train_examples, resolve_task
+    from plora_hpo.tasks import resolve_task
 
     with phase("load-model"):
         base = load_base(config, device, sharded=sharded)
@@ -92,14 +107,7 @@ def load_replica(config: SweepConfig, device: torch.device, data_dir: str | None
     tasks: dict[str, TaskData] = {}
     with phase("load-data"):
         for name in config.tasks:
-            examples = load_train_examples(
-                specs[name],
-                base.tokenizer,
-                seq_len=config.seq_len,
-                data_dir=data_dir,
-                max_examples=config.budget.max_train_examples,
-                seed=config.seed,
-            )
+            examples = sweep_train_examples(config, specs[name], base.tokenizer, data_dir)
             largest_batch = max(config.space.batch_size.choices or [config.space.batch_size.high])
             if largest_batch > len(examples):
                 raise ConfigError(

@@ -169,7 +169,8 @@ def _row_tokens(sweep: SweepConfig, data_dir: str | None) -> tuple[int, str]:
     saying why.
     """
     from plora_hpo.models import load_tokenizer
-    from plora_hpo.tasks import load_train_examples, padded_length, resolve_task
+    from plora_hpo.replica import sweep_train_examples
+    from plora_hpo.tasks import padded_length, resolve_task
 
     fallback = "seq_len, as {}; pass --seq-len N with the longest tokenized training example".format
     try:
@@ -182,14 +183,7 @@ def _row_tokens(sweep: SweepConfig, data_dir: str | None) -> tuple[int, str]:
         examples = [
             example
             for task in sweep.tasks
-            for example in load_train_examples(
-                resolve_task(task, sweep.custom_tasks),
-                tokenizer,
-                seq_len=sweep.seq_len,
-                data_dir=data_dir,
-                max_examples=sweep.budget.max_train_examples,
-                seed=sweep.seed,
-            )
+            for example in sweep_train_examples(sweep, resolve_task(task, sweep.custom_tasks), tokenizer, data_dir)
         ]
     except PloraError as err:
         return sweep.seq_len, fallback(f"the training data could not be read ({first_line(err)})")
