@@ -43,9 +43,11 @@ data folder)::
     python3 benchmarks/sweep_e2e.py --data-dir .device_data --tokenizer .whl/tokenizer 2>&1 | tee $OUT/log.txt
 
 (filter its output only with ``grep --line-buffered``: a block-buffered pipe loses everything if the
-call is cut short). Wheels installed with ``pip install --no-compile`` leave their bytecode to the
-first process that imports them, which is then the sweep: compile it first (``python3 -m
-compileall -q <site dir>``), as a plain ``pip install`` does, or the start-up measured includes it.
+call is cut short). Before anything is timed, the script compiles every installed module's
+missing bytecode (``--bytecode write``, the default; key ``bytecode`` says what was missing), as a
+plain ``pip install`` does: wheels installed with ``--no-compile``, or an image that ships torch
+without bytecode and sets ``PYTHONDONTWRITEBYTECODE``, would otherwise make every sweep's start-up
+compile them from source again.
 The sweep's own log and its phase timeline are written under ``$OUT`` as they happen, so a
 cut-short call still returns them.
 
@@ -207,6 +209,44 @@ class GpuSampler:
     def peak_gib(self, start: float, end: float) -> float | None:
         vals = [m for t, _, m in self.samples if start <= t <= end]
         return max(vals) if vals else None
+
+
+# --- bytecode: the environment as pip installs it ------------------------------------------------
+BYTECODE_PROBES = ("torch", "transformers", "numpy", "sympy", "optuna", "mlflow", "lm_eval", "plora_hpo")
+
+
+def has_bytecode(module: str) -> bool | None:
+    """Whether ``module``'s ``__init__`` has bytecode for this interpreter (None: not installed)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    return Path(importlib.util.cache_from_source(spec.origin)).exists()
+
+
+def write_bytecode() -> dict:
+    """Compile every installed module's bytecode that is missing, before anything is timed.
+
+    ``pip install`` writes bytecode, and without it Python writes it at a module's first import.
+    An image that ships packages without it and sets ``PYTHONDONTWRITEBYTECODE`` (the GPU image
+    does, for torch, numpy and sympy) makes every process compile them from source again: each
+    sweep's start-up would then measure that image, not a user's installation."""
+    import site
+
+    before = {m: has_bytecode(m) for m in BYTECODE_PROBES}
+    dirs = [*site.getsitepackages(), *(p for p in sys.path if p and Path(p).is_dir() and "site" in Path(p).name)]
+    dirs = sorted({str(Path(d).resolve()) for d in dirs if Path(d).is_dir()} | {str(ROOT / "plora_hpo")})
+    started = time.time()
+    proc = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *dirs], capture_output=True, text=True)
+    return {
+        "before": before,
+        "after": {m: has_bytecode(m) for m in BYTECODE_PROBES},
+        "dirs": dirs,
+        "seconds": round(time.time() - started, 1),
+        "compileall_returncode": proc.returncode,  # non-zero when some file (a template, a test) does not compile
+        "PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE"),
+    }
 
 
 # --- the model: random weights at a real shape, saved with a real tokenizer --------------------------
@@ -1056,6 +1096,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="run the same sweep a second time in a fresh run directory, as a user's next sweep on this "
         "machine finds it (Triton's compiled kernels, bytecode and files cached): key sweep_again",
     )
+    p.add_argument(
+        "--bytecode",
+        choices=["write", "as-is"],
+        default="write",
+        help="write: compile installed modules' missing bytecode first, as pip install does (key bytecode); "
+        "as-is: measure the environment as found",
+    )
     p.add_argument("--tests", action="store_true", help="also run pytest -m gpu first and record its result")
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
     p.add_argument("--budget-s", type=float, default=560.0, help="skip later stages past this many seconds")
@@ -1099,6 +1146,11 @@ def main(argv=None) -> None:
         "workload": f"{args.task}, {args.configs} paper120 configs x {args.steps} steps, "
         f"{'tiny' if args.smoke else args.shape} random weights, pack {args.pack_size}",
     }
+    if args.bytecode == "write":
+        result["bytecode"] = write_bytecode()
+        print(f"[bytecode] written in {result['bytecode']['seconds']:.0f}s; before: {result['bytecode']['before']}")
+    else:
+        result["bytecode"] = {"before": {m: has_bytecode(m) for m in BYTECODE_PROBES}, "written": False}
     model_dir = work / "model"
     result["model"] = make_model_dir(args.shape, args.tokenizer, model_dir, device, args.smoke)
     print(f"[model] saved {result['model']['shape']} in {result['model']['seconds']:.1f}s", flush=True)

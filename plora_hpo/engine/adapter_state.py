@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.engine.host_copy import host_copies
+from plora_hpo.engine.host_copy import host_copies, queue_host_copies
 from plora_hpo.engine.trainer import AdapterJob, PackedTrainer
 
 
@@ -29,8 +29,17 @@ class AdapterState:
     optimizer_state: list[dict[str, torch.Tensor]]  # one per parameter, in parameters_of order
     stream_position: tuple[int, int]
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, loss, lr)
+    copied: list[torch.cuda.Event] = field(default_factory=list, compare=False, repr=False)
+    """Until these complete, the device is still copying into the host tensors (:func:`capture`)."""
+
+    def wait_copied(self) -> None:
+        """Wait until the host tensors hold the captured values (before reading them)."""
+        for event in self.copied:
+            event.synchronize()
+        self.copied = []
 
     def to_dict(self) -> dict:
+        self.wait_copied()
         return {
             "config": self.config.as_params(),
             "steps_done": self.steps_done,
@@ -88,19 +97,28 @@ def capture_bytes_bound(trainer: PackedTrainer, adapter_id: str) -> int:
 def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, float, float]]) -> AdapterState:
     """Copy an active adapter's state to host memory (between steps).
 
-    Under tensor parallelism the weights and AdamW moments are gathered whole, in an unsplit
-    pack's layout (a collective that every rank calls), so the state resumes at any degree."""
+    On a GPU the copies are queued beside the next step, not waited for: the state's tensors
+    hold the captured values once :meth:`AdapterState.wait_copied` returns (:meth:`~AdapterState.to_dict`
+    and :func:`restore` wait), and the trainer's next update waits on the device until they are
+    copied. Under tensor parallelism the weights and AdamW moments are gathered whole, in an
+    unsplit pack's layout (a collective that every rank calls), so the state resumes at any
+    degree; that capture is waited for."""
     params = _group_params(trainer, adapter_id)
     assert trainer.optimizer is not None
     packed = trainer.packed
     states = [dict(trainer.optimizer.state.get(p, {})) for p in params]
     if packed.parallel is not None:
         states = _converted(states, len(packed.whole_chunk_widths), packed.whole_rows)
-    copied = host_copies(
-        {(None, k): v for k, v in packed.state_dict_of(adapter_id).items()}  # one wait for all of it
-        | {(i, k): v for i, state in enumerate(states) for k, v in state.items()},
-        shared=True,  # one page-locked allocation; a checkpoint file holds the buffer once
-    )
+    tensors = {(None, k): v for k, v in packed.state_dict_of(adapter_id).items()} | {
+        (i, k): v for i, state in enumerate(states) for k, v in state.items()
+    }
+    events: list[torch.cuda.Event] = []
+    if packed.parallel is None:
+        # one page-locked allocation per dtype; a checkpoint file holds the buffer once
+        copied, events = queue_host_copies(tensors, shared=True)
+        trainer.update_after(events)
+    else:
+        copied = host_copies(tensors, shared=True)
     weights: dict[str, torch.Tensor] = {}
     optimizer_state: list[dict[str, torch.Tensor]] = [{} for _ in states]
     for (index, key), value in copied.items():
@@ -112,6 +130,7 @@ def capture(trainer: PackedTrainer, adapter_id: str, curve: list[tuple[int, floa
         optimizer_state=optimizer_state,
         stream_position=trainer.stream_position(adapter_id),
         curve=list(curve),
+        copied=events,
     )
 
 
@@ -123,6 +142,7 @@ def restore(trainer: PackedTrainer, job: AdapterJob, state: AdapterState) -> Non
         )
     if not 0 <= state.steps_done <= job.total_steps:
         raise ValueError(f"{job.adapter_id}: saved at step {state.steps_done} of a {job.total_steps}-step budget")
+    state.wait_copied()
     trainer.add_job(job)
     trainer.packed.load_state_dict_of(job.adapter_id, state.weights)
     params = _group_params(trainer, job.adapter_id)

@@ -1,4 +1,4 @@
-"""Device tensors to host memory with one wait: page-locked buffers filled by queued copies.
+"""Device tensors to host memory: page-locked buffers filled by queued copies, waited for once or not at all.
 
 ``Tensor.to("cpu")`` on a CUDA tensor waits for each copy in turn, into freshly allocated pageable
 memory (first-touch page faults, a transfer staged through a driver buffer). An adapter's
@@ -11,6 +11,12 @@ copy is contiguous (safetensors writes only contiguous tensors).
 Page-locking memory the allocator does not hold yet costs far more than the copy itself (tens of
 times, for a checkpoint-sized state), and less in one allocation than in one per tensor: with
 ``shared``, the copies of one dtype are views of one buffer.
+
+:func:`queue_host_copies` does not wait at all: the copies run on a side stream of each device,
+after the work already queued on its current stream, beside whatever that stream runs next (the
+copy engine works while the kernels run). Its caller keeps two rules until the returned events
+complete: nothing reads the copies, and nothing writes into the sources (the current stream
+``wait_event``-s first). Freed sources are safe: their memory is not reused before the copies end.
 
 Boundary: copies only; what to copy and when is the caller's.
 """
@@ -56,6 +62,42 @@ def host_copies(tensors: Mapping[K, torch.Tensor], *, shared: bool = False) -> d
         copies[key].copy_(tensor, non_blocking=True)
     for device in {t.device for t in on_device.values()}:
         torch.cuda.current_stream(device).synchronize()
+    return _with_host_tensors(tensors, copies)
+
+
+def queue_host_copies(
+    tensors: Mapping[K, torch.Tensor], *, shared: bool = False
+) -> tuple[dict[K, torch.Tensor], list[torch.cuda.Event]]:
+    """Host copies of ``tensors`` as :func:`host_copies` makes them, queued but not waited for:
+    returns them and the events (one per device) after which they may be read and the sources
+    written (see the module's rules). Tensors already on the host are copied at once."""
+    on_device = {k: t.detach() for k, t in tensors.items() if t.device.type == "cuda"}
+    copies = dict(zip(on_device, _page_locked(list(on_device.values()), shared)))
+    events = []
+    for device in {t.device for t in on_device.values()}:
+        side = _copy_stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))  # the values as of the work queued so far
+        with torch.cuda.stream(side):
+            for key, tensor in on_device.items():
+                if tensor.device == device:
+                    copies[key].copy_(tensor, non_blocking=True)
+                    tensor.record_stream(side)  # freed meanwhile, its memory waits for the copy
+        events.append(side.record_event())
+    return _with_host_tensors(tensors, copies), events
+
+
+_copy_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The device's side stream for queued host copies (one per device, made on first use)."""
+    if device not in _copy_streams:
+        _copy_streams[device] = torch.cuda.Stream(device)
+    return _copy_streams[device]
+
+
+def _with_host_tensors(tensors: Mapping[K, torch.Tensor], copies: dict[K, torch.Tensor]) -> dict[K, torch.Tensor]:
+    """``copies`` for the device tensors, in ``tensors``' order, and plain copies of the host ones."""
     return {
         k: copies[k] if k in copies else t.detach().to("cpu").clone(memory_format=torch.contiguous_format)
         for k, t in tensors.items()

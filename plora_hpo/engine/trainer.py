@@ -211,6 +211,7 @@ class PackedTrainer:
         self.stats = PackStats()
         self.prefetch = prefetch
         self._prefetched: _Prefetched | None = None
+        self._copies_pending: list[torch.cuda.Event] = []  # host copies the next update waits for
         packed.set_activation_checkpointing(activation_checkpointing)
         if fused_elementwise is None:
             fused_elementwise = self.device.type == "cuda"
@@ -493,6 +494,7 @@ class PackedTrainer:
         for adapter_id in failures:
             self._drop_group(adapter_id)
         if self.optimizer.param_groups:
+            self._await_copies()
             self.optimizer.step()
         self.packed.mark_stale()  # the bf16 copy is recast at the next step
         self.zero_grads()
@@ -519,6 +521,17 @@ class PackedTrainer:
         # that read, plus the launches after it) sum to a run's time.
         self._account(micro_batches, time.perf_counter() - started)
         return reports
+
+    def update_after(self, events: list[torch.cuda.Event]) -> None:
+        """The next optimizer update waits, on the device, until ``events`` complete: copies of
+        the weights or AdamW state still being read (:func:`~plora_hpo.engine.host_copy.queue_host_copies`).
+        The forward and backward passes before it only read them, so they run meanwhile."""
+        self._copies_pending.extend(events)
+
+    def _await_copies(self) -> None:
+        for event in self._copies_pending:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self._copies_pending.clear()
 
     def compile_kernels(self, threads: int | None = None) -> bool:
         """Compile the Triton kernels of the next step, and the variants later steps may take, on

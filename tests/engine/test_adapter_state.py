@@ -12,6 +12,7 @@ from plora_hpo.checkpoint_writer import state_bytes
 from plora_hpo.checkpoints import CheckpointStore, read_checkpoint
 from plora_hpo.engine import AdapterJob, OptimizerSettings, PackedLoraModel, PackedTrainer
 from plora_hpo.engine.adapter_state import abort_step, capture, capture_bytes_bound, restore, stream_positions
+from plora_hpo.engine.host_copy import _copy_stream
 from plora_hpo.errors import CheckpointError
 
 from .conftest import random_examples, tiny_model
@@ -26,9 +27,9 @@ STEPS = 8
 EXAMPLES = {a: random_examples(7, seed=40 + i, max_len=16) for i, a in enumerate(CONFIGS)}  # 7: epochs wrap
 
 
-def new_trainer(base: torch.nn.Module) -> PackedTrainer:
-    packed = PackedLoraModel(copy.deepcopy(base), TARGETS)
-    return PackedTrainer(packed, settings=SETTINGS, pad_id=0, device="cpu")
+def new_trainer(base: torch.nn.Module, device: str = "cpu") -> PackedTrainer:
+    packed = PackedLoraModel(copy.deepcopy(base).to(device), TARGETS)
+    return PackedTrainer(packed, settings=SETTINGS, pad_id=0, device=device)
 
 
 def job(adapter_id: str) -> AdapterJob:
@@ -85,6 +86,42 @@ def test_a_restored_adapter_leaves_the_state_it_came_from_as_saved():
     for moments, want in zip(state.optimizer_state, saved):
         for key, value in want.items():
             assert torch.equal(moments[key], value), key
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_capture_on_the_gpu_keeps_its_step_while_the_next_steps_update_the_adapter(tmp_path):
+    """The capture's copies run beside the next steps: its state is still the captured step's."""
+    trainer = new_trainer(tiny_model("qwen2"), device="cuda")
+    for a in CONFIGS:
+        trainer.add_job(job(a))
+    for _ in range(3):
+        trainer.step()
+    with torch.cuda.stream(_copy_stream(trainer.device)):
+        torch.cuda._sleep(200_000_000)  # the copies queue behind this: the next update must wait for them
+    state = capture(trainer, "a", curve=[])
+    assert state.copied  # queued, not waited for
+    with torch.cuda.stream(_copy_stream(trainer.device)):
+        torch.cuda.current_stream().synchronize()  # the reference, once the copies are done
+    want = {k: v.cpu() for k, v in trainer.packed.state_dict_of("a").items()}
+    moments = [{k: v.cpu() for k, v in trainer.optimizer.state[p].items()} for p in _params(trainer, "a")]
+    for _ in range(2):
+        trainer.step()
+    now = trainer.packed.state_dict_of("a")
+    assert not all(torch.equal(now[k].cpu(), v) for k, v in want.items())  # training went on
+
+    CheckpointStore(tmp_path).save(0, state)
+    saved, _ = read_checkpoint(CheckpointStore(tmp_path).path(0))
+    for key, value in want.items():
+        assert torch.equal(saved.weights[key], value), key
+    for got, expected in zip(saved.optimizer_state, moments):
+        for key, value in expected.items():
+            assert torch.equal(got[key].cpu(), value), key
+
+
+def _params(trainer: PackedTrainer, adapter_id: str) -> list[torch.nn.Parameter]:
+    [group] = [g for g in trainer.optimizer.param_groups if g["adapter_id"] == adapter_id]
+    return list(group["params"])
 
 
 def test_restore_refuses_a_different_config(tmp_path):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plora_hpo.engine.host_copy import host_copies
+from plora_hpo.engine.host_copy import host_copies, queue_host_copies
 
 CUDA = pytest.param(
     "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -71,3 +71,39 @@ def test_shared_copies_are_views_of_one_buffer_per_dtype_and_save_it_once(tmp_pa
     assert (tmp_path / "state.pt").stat().st_size < fp32_bytes + bf16_bytes + 8192  # each buffer once
     loaded = torch.load(tmp_path / "state.pt")
     assert all(torch.equal(loaded[k], copies[k]) for k in copies)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_queued_copies_hold_the_values_as_of_the_work_queued_before_them():
+    stream = torch.cuda.current_stream()
+    source = torch.zeros(1 << 24, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the write below reaches the device long after the host moves on
+    source.fill_(1.0)
+    copies, events = queue_host_copies({"source": source, "step": torch.tensor(3.0)})
+    assert copies["step"].item() == 3.0  # a host tensor is copied at once
+    for event in events:  # the rule for writing into a source while its copy may still run
+        stream.wait_event(event)
+    source.fill_(2.0)
+    for event in events:
+        event.synchronize()
+
+    assert copies["source"].is_pinned()
+    assert torch.equal(copies["source"], torch.ones(1 << 24))  # after the first fill, before the second
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_source_freed_while_its_copy_is_queued_keeps_its_memory_until_copied():
+    source = torch.full((1 << 24,), 3.0, device="cuda")
+    torch.cuda._sleep(200_000_000)  # the side stream's copy waits behind this
+    copies, events = queue_host_copies({"source": source})
+    address = source.data_ptr()
+    del source
+    reused = torch.empty(1 << 24, device="cuda")  # on the current stream: must not take the source's memory
+    reused.fill_(4.0)
+    for event in events:
+        event.synchronize()
+
+    assert reused.data_ptr() != address
+    assert torch.equal(copies["source"], torch.full((1 << 24,), 3.0))
