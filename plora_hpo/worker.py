@@ -82,14 +82,8 @@ LIVE_LOG_SECONDS = 10.0
 """How often the loss curves of the trials in a pack are reported while they train."""
 LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device memory
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
-FINISHING_QUEUE_BYTES = 4 << 30
-"""Host bytes of finished adapters' copies a device may queue for writing before its loop waits
-(as much as its checkpoint writer: a chunk of large adapters, :data:`SCORE_CHUNK`, fits while the
-previous one is written)."""
-SCORE_CHUNK = 8
-"""Finished adapters scored per evaluation call when more finish at once: the finishing thread
-records one chunk (files, MLflow, Optuna) while the device scores the next, and each forward's rows
-still come from several adapters."""
+FINISHING_QUEUE_BYTES = 1 << 30
+"""Host bytes of finished adapters' copies a device may queue for writing before its loop waits."""
 
 
 @dataclass
@@ -185,8 +179,8 @@ class DeviceWorker:
         )
         self.pacer = SharePacer(config.train.checkpoint_overhead)  # checkpoint saves, sized in LoRA parameters
         self.writer = CheckpointWriter(f"plora-{self.name}")
-        # finished trials' files, MLflow runs and results: a chunk of them is recorded while the
-        # next is scored, and page-locked buffers freed by written copies are what the next copies reuse
+        # finished trials' files, MLflow runs and results; a copy or two ahead is all the overlap
+        # needs, and page-locked buffers freed by written copies are what the next copies reuse
         self.finisher = JobThread(f"plora-{self.name}-finishing", FINISHING_QUEUE_BYTES)
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         # the first full disk a finished trial's record met: the records queued behind it resume
@@ -816,25 +810,20 @@ class _Pack:
         self.worker.progress.evaluating(self.pack_id)
         for task in sorted({self.slots[a].request.task for a in adapter_ids}):
             ids = [a for a in adapter_ids if self.slots[a].request.task == task]
-            for chunk in range(0, len(ids), SCORE_CHUNK):
-                self._score_and_record(task, ids[chunk : chunk + SCORE_CHUNK])
-
-    def _score_and_record(self, task: str, ids: list[str]) -> None:
-        """Score finished adapters of one task, export them and hand them to the finishing thread."""
-        metrics = self.score(task, ids, self.config.evaluation.limit)
-        for adapter_id in ids:
-            slot = self.slots[adapter_id]
-            write = self.export_adapter(adapter_id, self.worker.adapter_root / adapter_id)
-            scores = metrics[adapter_id]
-            outcome = self._outcome(slot, value=scores[self._metric(task)], metrics=scores)
-            stats = dataclasses.replace(self.trainer.stats, step_seconds=[])  # the pack's figures until now
-            held = 4 * self.worker.degree * sum(p.numel() for p in self.worker.packed.parameters_of(adapter_id))
-            with phase("leave"):
-                self._leave(adapter_id)  # its slot trains the next trial while this one is recorded
-            with phase("finishing"):  # waits only while the thread holds too many adapters' copies
-                self.worker.finisher.submit(
-                    functools.partial(self._record_completed, slot, outcome, write, stats), nbytes=held
-                )
+            metrics = self.score(task, ids, self.config.evaluation.limit)
+            for adapter_id in ids:
+                slot = self.slots[adapter_id]
+                write = self.export_adapter(adapter_id, self.worker.adapter_root / adapter_id)
+                scores = metrics[adapter_id]
+                outcome = self._outcome(slot, value=scores[self._metric(task)], metrics=scores)
+                stats = dataclasses.replace(self.trainer.stats, step_seconds=[])  # the pack's figures until now
+                held = 4 * self.worker.degree * sum(p.numel() for p in self.worker.packed.parameters_of(adapter_id))
+                with phase("leave"):
+                    self._leave(adapter_id)  # its slot trains the next trial while this one is recorded
+                with phase("finishing"):  # waits only while the thread holds too many adapters' copies
+                    self.worker.finisher.submit(
+                        functools.partial(self._record_completed, slot, outcome, write, stats), nbytes=held
+                    )
 
     def _record_completed(
         self, slot: _Slot, outcome: TrialOutcome, write: Callable[[], Path], stats: PackStats

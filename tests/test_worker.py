@@ -198,43 +198,6 @@ def test_the_pack_trains_on_while_its_finished_trials_are_recorded(tmp_path, mon
         assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
 
 
-def test_trials_finishing_together_are_scored_in_chunks_recorded_while_the_next_is_scored(tmp_path, monkeypatch):
-    """Four trials finish at the same step: they are scored two at a time, and the first two are
-    written and logged while the device scores the other two."""
-    monkeypatch.setattr(worker_module, "SCORE_CHUNK", 2)
-    sweep, study, tracker = open_sweep(tmp_path, "chunks", budget={"steps": 3}, pack={"size": 4, "gather_seconds": 10})
-    real_score, scored, second_scored = worker_module._Pack.score, [], threading.Event()
-
-    def score(self, task, adapter_ids, limit):
-        scored.append(list(adapter_ids))
-        if len(scored) == 2:
-            second_scored.set()
-        return real_score(self, task, adapter_ids, limit)
-
-    monkeypatch.setattr(worker_module._Pack, "score", score)
-    real_completed, waited = sweep.reporter.trial_completed, []
-
-    def slow_completed(record, *args):
-        if not waited:  # the first finished trial's record waits for the second chunk's scoring
-            waited.append(second_scored.wait(timeout=30))
-        return real_completed(record, *args)
-
-    monkeypatch.setattr(sweep.reporter, "trial_completed", slow_completed)
-    try:
-        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=4, n_jobs=4)
-    finally:
-        sweep.close()
-
-    assert [len(ids) for ids in scored] == [2, 2] and len({a for ids in scored for a in ids}) == 4
-    assert waited == [True]  # recorded while the next chunk was scored
-    trials = study.trials
-    assert [t.state for t in trials] == [TrialState.COMPLETE] * 4
-    client = MlflowClient(tracker.tracking_uri)
-    for t in trials:
-        assert (Path(t.user_attrs["adapter_dir"]) / "adapter_model.safetensors").is_file()
-        assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
-
-
 def test_a_checkpoint_that_finds_the_writer_s_queue_full_waits_for_a_later_step(tmp_path, monkeypatch):
     """A slow disk holds the first save's write; the second adapter's save, due at the same step,
     does not fit in the writer's queue. The pack trains on, and that save copies the adapter at

@@ -1,8 +1,7 @@
 """Save an adapter in PEFT's own format so ``PeftModel.from_pretrained(base, path)`` loads it.
 
 In two steps when asked: the copy out of the pack (:func:`peft_adapter_files`, while the adapter
-is in it; on a GPU only queued, so the caller goes on at once) and the write
-(:meth:`PeftAdapterFiles.write`, any time later, from any thread: it waits for the copy).
+is in it) and the write (:meth:`PeftAdapterFiles.write`, any time later, from any thread).
 """
 
 from __future__ import annotations
@@ -11,13 +10,13 @@ import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from plora_hpo.engine.host_copy import host_copies, queue_host_copies
+from plora_hpo.engine.host_copy import host_copies
 from plora_hpo.engine.packed_lora import PackedLoraModel
 
 _PEFT_PREFIX = "base_model.model."
@@ -48,13 +47,9 @@ class PeftAdapterFiles:
 
     tensors: dict[str, torch.Tensor]
     config: dict
-    copied: tuple[torch.cuda.Event, ...] = field(default=(), compare=False, repr=False)
-    """Until these complete, the device is still copying into ``tensors``."""
 
     def write(self, directory: str | os.PathLike) -> Path:
         """Write ``adapter_config.json`` + ``adapter_model.safetensors``; atomic (temp dir + rename)."""
-        for event in self.copied:
-            event.synchronize()
         directory = Path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}-", dir=directory.parent))
@@ -78,15 +73,12 @@ def peft_adapter_files(packed: PackedLoraModel, adapter_id: str, base_model_name
     A tensor-parallel pack's adapter is gathered whole: every rank of the group calls this, and
     rank 0 of the group gets the files (the others None).
     """
-    weights = {f"{_PEFT_PREFIX}{key}": value.float() for key, value in packed.state_dict_of(adapter_id).items()}
-    if packed.parallel is not None:
-        tensors = host_copies(weights)
-        if packed.parallel.index != 0:
-            return None
-        return PeftAdapterFiles(tensors, peft_adapter_config(packed, adapter_id, base_model_name))
-    # nothing writes into a finished adapter's weights: the copies need not hold the next steps back
-    tensors, events = queue_host_copies(weights)
-    return PeftAdapterFiles(tensors, peft_adapter_config(packed, adapter_id, base_model_name), tuple(events))
+    tensors = host_copies(
+        {f"{_PEFT_PREFIX}{key}": value.float() for key, value in packed.state_dict_of(adapter_id).items()}
+    )
+    if packed.parallel is not None and packed.parallel.index != 0:
+        return None
+    return PeftAdapterFiles(tensors, peft_adapter_config(packed, adapter_id, base_model_name))
 
 
 def export_peft_adapter(
