@@ -235,7 +235,8 @@ def write_bytecode() -> dict:
     import site
 
     before = {m: has_bytecode(m) for m in BYTECODE_PROBES}
-    dirs = [*site.getsitepackages(), *(p for p in sys.path if p and Path(p).is_dir() and "site" in Path(p).name)]
+    # the interpreter's site-packages, folders on PYTHONPATH (wheels installed with --target) and this package
+    dirs = [*site.getsitepackages(), *(p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p)]
     dirs = sorted({str(Path(d).resolve()) for d in dirs if Path(d).is_dir()} | {str(ROOT / "plora_hpo")})
     started = time.time()
     proc = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *dirs], capture_output=True, text=True)

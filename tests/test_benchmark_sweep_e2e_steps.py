@@ -1,15 +1,17 @@
 """benchmarks/sweep_e2e.py's engine_only stage finds the sweep's biggest pack and its steps on the timeline;
-its GPU sampler averages the samples inside given spans."""
+its GPU sampler averages the samples inside given spans; it writes the bytecode a package on
+PYTHONPATH lacks before anything is timed."""
 
 from __future__ import annotations
 
+import importlib
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from sweep_e2e import GpuSampler, biggest_segment, segment_step_starts  # noqa: E402
+from sweep_e2e import GpuSampler, biggest_segment, has_bytecode, segment_step_starts, write_bytecode  # noqa: E402
 
 
 def segment(members: int, steps: int, device: str = "cuda:0") -> dict:
@@ -69,3 +71,19 @@ def test_gpu_utilisation_inside_spans_counts_each_sample_once():
     spans = [(3.0, 3.5), (1.0, 1.5), (1.4, 2.0)]
     assert sampler.mean_util_during(spans) == (90 + 100 + 80) / 3 / 100
     assert sampler.mean_util_during([]) is None
+
+
+def test_a_package_without_bytecode_on_pythonpath_gets_it(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "plora_probe_pkg"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("VALUE = 1\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    monkeypatch.setattr("sweep_e2e.BYTECODE_PROBES", ("plora_probe_pkg",))
+    assert has_bytecode("plora_probe_pkg") is False and has_bytecode("no_such_package_here") is None
+
+    written = write_bytecode()
+
+    assert written["before"] == {"plora_probe_pkg": False} and written["after"] == {"plora_probe_pkg": True}
+    assert str((tmp_path / "site").resolve()) in written["dirs"]
