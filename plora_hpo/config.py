@@ -184,6 +184,13 @@ class PackSpec(_Strict):
     activation_checkpointing: bool = Field(
         False, description="Recompute each decoder layer in the backward: less activation memory, ~1/3 more compute."
     )
+    rotate: bool = Field(
+        True,
+        description="Once every trial left has been proposed, keep a full pack full: a member far ahead "
+        "waits in host memory while a trial that does not fit trains in its place, instead of the trials "
+        "that do not fit training last, as a small pack that leaves the device idle. Trials train exactly "
+        "as without it. Not with a pruner or pack.degree > 1.",
+    )
     degree: int = Field(
         1,
         ge=1,

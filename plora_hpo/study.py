@@ -154,25 +154,34 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
     ``n_jobs`` = the sweep's concurrency (so Optuna's heartbeat covers every trial, and trials
     of dead processes are failed and re-queued as rounds start). When nothing is left to take
     but other processes still train trials, it waits: one of them may die and leave retries.
+
+    A round that asks for every trial left at once tells the sweep's pool so
+    (:attr:`~plora_hpo.trials.TrialPool.last_round`): no proposal follows the trials it brings,
+    so a full pack may rotate them (``pack.rotate``).
     """
     n_jobs = objective.sweep.concurrency
     objective.warn_if_serial = False  # n_jobs below is as many as there are trials to do
-    while True:
-        fail_stale_trials(study)
-        trials = study.get_trials(deepcopy=False)
-        retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
-        live = [t for t in trials if t.number not in retried]
-        waiting = sum(t.state == optuna.trial.TrialState.WAITING for t in live)
-        running = sum(t.state == optuna.trial.TrialState.RUNNING for t in live)
-        finished = sum(t.state.is_finished() for t in live)
-        todo = waiting + max(0, n_trials - finished - running - waiting)
-        if todo:
-            with contextlib.suppress(TrialBudgetReached):  # other processes took what this one would ask
-                study.optimize(objective, n_trials=todo, n_jobs=min(n_jobs, todo), catch=())
-        elif running:
-            time.sleep(poll_seconds)
-        else:
-            return
+    pool = objective.sweep.pool
+    try:
+        while True:
+            fail_stale_trials(study)
+            trials = study.get_trials(deepcopy=False)
+            retried = {t.user_attrs["retry_of"] for t in trials if "retry_of" in t.user_attrs}
+            live = [t for t in trials if t.number not in retried]
+            waiting = sum(t.state == optuna.trial.TrialState.WAITING for t in live)
+            running = sum(t.state == optuna.trial.TrialState.RUNNING for t in live)
+            finished = sum(t.state.is_finished() for t in live)
+            todo = waiting + max(0, n_trials - finished - running - waiting)
+            if todo:
+                pool.last_round = todo <= n_jobs
+                with contextlib.suppress(TrialBudgetReached):  # other processes took what this one would ask
+                    study.optimize(objective, n_trials=todo, n_jobs=min(n_jobs, todo), catch=())
+            elif running:
+                time.sleep(poll_seconds)
+            else:
+                return
+    finally:
+        pool.last_round = False
 
 
 def finished_trials(study: optuna.Study) -> int:

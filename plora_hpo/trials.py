@@ -142,6 +142,7 @@ class TrialPool:
         self._closed = False
         self._idle = 0
         self.version = 0
+        self.last_round = False  # every trial left to train has been proposed: those waiting are all there will be
 
     @property
     def closed(self) -> bool:
@@ -213,6 +214,19 @@ class TrialPool:
                 self.version += 1
                 self._cond.notify_all()
             return taken
+
+    def waiting(self) -> list[TrialTicket]:
+        """The tickets waiting now, oldest first (a snapshot)."""
+        with self._cond:
+            return list(self._waiting)
+
+    def take_ticket(self, ticket: TrialTicket) -> bool:
+        """Take this waiting ticket; False if it waits no more (another worker took it).
+
+        Raises:
+            PoolClosed: the sweep is closing.
+        """
+        return bool(self.take(lambda waiting: ([i for i, t in enumerate(waiting) if t is ticket], [])))
 
     def claim(self) -> list[TrialTicket]:
         """A pack reserved for an idle worker (oldest first), or ``[]``.

@@ -33,6 +33,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import statistics
 import threading
 import time
@@ -82,6 +83,12 @@ LIVE_LOG_SECONDS = 10.0
 """How often the loss curves of the trials in a pack are reported while they train."""
 LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device memory
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
+ROTATE_MIN_LEAD = 25
+ROTATE_ROUNDS = 8
+"""A member yields its place in a full pack (``pack.rotate``) to a waiting trial that has more
+steps left by at least an eighth of that trial's steps (and by at least ``ROTATE_MIN_LEAD``): a
+trial moves in and out about eight times, and the pack's members end within that many steps of
+each other."""
 FINISHING_QUEUE_BYTES = 1 << 30
 """Host bytes of finished adapters' copies a device may queue for writing before its loop waits."""
 
@@ -628,6 +635,7 @@ class _Pack:
                 self._collect_done()  # trials resumed at their last step need no more training
                 if self.trainer.jobs:
                     self._step()
+                    self._rotate()
                 self.admit()
                 progress.pack_update(self.pack_id, self.packed_steps, self._furthest_step(), len(self.slots))
                 self.worker.finisher.raise_failure()
@@ -924,13 +932,73 @@ class _Pack:
             len(ids) - keep,
         )
         for adapter_id in reversed(ids[keep:]):  # parked in their original order
-            slot = self.slots[adapter_id]
-            state = self.capture_state(adapter_id, slot.curve)
-            self.drop_adapter(adapter_id)
-            del self.slots[adapter_id]
-            slot.ticket.request.run_id = slot.run_id
-            self.worker.parked.appendleft((slot.ticket, state))
+            self.worker.parked.appendleft(self._park(adapter_id))
         self._composition_changed()
+
+    def _park(self, adapter_id: str) -> tuple[TrialTicket, AdapterState]:
+        """Out of the pack, its state in host memory; it joins again from there (same MLflow run)."""
+        slot = self.slots.pop(adapter_id)
+        state = self.capture_state(adapter_id, slot.curve)
+        self.drop_adapter(adapter_id)
+        slot.ticket.request.run_id = slot.run_id
+        return slot.ticket, state
+
+    # --- rotation -------------------------------------------------------------------------------
+    def _rotate(self) -> None:
+        """Keep a full pack full to the sweep's end: longest remaining steps first.
+
+        Once every trial left has been proposed (:attr:`~plora_hpo.trials.TrialPool.last_round`),
+        trials that do not fit would wait for the pack to end and then train on their own, a small
+        pack whose steps cost nearly what a full one's do. Instead a member far ahead (fewer steps
+        left, by the lead :data:`ROTATE_ROUNDS` sets) is parked in host memory, as after an
+        out-of-memory split, and the waiting trial furthest behind trains in its place; parked
+        trials come back the same way, or once a member finishes. A trial trains exactly the steps
+        it would have trained without rotation.
+        """
+        worker = self.worker
+        pool = worker.pool
+        if not (self.config.pack.rotate and pool.last_round and worker.channel is None) or pool.idle_workers:
+            return  # (an idle device takes the waiting trials itself)
+        if self.config.pruning.pruner != "none":  # its intermediate scores live in the slot
+            return
+        for _ in range(len(worker.parked) + len(pool.waiting())):  # each swap moves one trial in
+            waiting = [
+                (worker.total_steps(t.request) - (state.steps_done if state is not None else 0), t, state)
+                for t, state in worker.parked
+            ]
+            waiting += [(worker.total_steps(t.request), t, None) for t in pool.waiting()]
+            if not waiting:
+                return
+            behind, ticket, state = max(waiting, key=lambda w: w[0])
+            lead = max(ROTATE_MIN_LEAD, math.ceil(worker.total_steps(ticket.request) / ROTATE_ROUNDS))
+            ahead = sorted(
+                (self.trainer.jobs[a].total_steps - self.trainer.steps_done[a], a)
+                for a in self.trainer.jobs
+                if not self.trainer.is_done(a)
+            )
+            configs = {a: s.request.config for a, s in self.slots.items()}
+            out = next(
+                (
+                    a
+                    for left, a in ahead
+                    if behind - left >= lead
+                    and worker.fits([c for b, c in configs.items() if b != a] + [ticket.request.config])
+                ),
+                None,
+            )
+            if out is None:
+                return
+            if state is None:
+                try:
+                    if not pool.take_ticket(ticket):  # another device took it
+                        continue
+                except PoolClosed:
+                    raise _Shutdown from None
+            else:
+                worker.parked = deque(entry for entry in worker.parked if entry[0] is not ticket)
+            log.info("%s: %s waits in host memory while %s trains", self.pack_id, out, ticket.request.adapter_id)
+            worker.parked.append(self._park(out))
+            self._join(ticket, state)
 
     # --- cost model -----------------------------------------------------------------------------
     def _maybe_calibrate(self) -> None:

@@ -145,6 +145,19 @@ def test_pool_take_removes_exactly_what_was_chosen_and_counts_changes():
     assert pool.take(lambda w: ([0], [])) == []
 
 
+def test_a_named_waiting_ticket_is_taken_once_and_the_snapshot_keeps_the_order():
+    pool = TrialPool()
+    tickets = [ticket(n) for n in range(3)]
+    for t in tickets:
+        pool.put(t)
+    assert pool.waiting() == tickets
+    assert pool.take_ticket(tickets[1]) and pool.waiting() == [tickets[0], tickets[2]]
+    assert not pool.take_ticket(tickets[1])  # gone: another worker would find it taken
+    pool.close()
+    with pytest.raises(PoolClosed):
+        pool.take_ticket(tickets[0])
+
+
 def test_two_workers_never_take_one_trial():
     pool = TrialPool()
     for n in range(200):

@@ -15,8 +15,10 @@ from optuna.trial import TrialState
 
 from plora_hpo import PackedObjective, PackedSweep, SweepTracker, create_study, load_sweep, optimize_in_packs, planner
 from plora_hpo import worker as worker_module
+from plora_hpo.adapter import AdapterConfig
 from plora_hpo.admission import PlannerAdmission
 from plora_hpo.engine import PackedTrainer
+from plora_hpo.study import serve
 
 from .test_sweep_e2e import small_sweep
 
@@ -378,3 +380,54 @@ def test_only_a_serial_optimize_is_warned_about_not_serve_s_last_trial(tmp_path)
     finally:
         sweep.close()
     assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) == 3
+
+
+def rotation_run(tmp_path, name, rotate):
+    """Five trials asked at once where three fit (memory for three): the adapters each pack step
+    held, each adapter's (step, loss) records, and each trial's value."""
+    space = {
+        "rank": {"choices": [8]},
+        "alpha_multiplier": {"choices": [1]},
+        "learning_rate": {"choices": [1e-5, 2e-5, 4e-5, 1e-4, 2e-4]},
+        "batch_size": {"choices": [2]},
+    }
+    sweep, study, _ = open_sweep(
+        tmp_path, name, budget={"steps": 12}, space=space, pack={"size": 5, "gather_seconds": 10, "rotate": rotate}
+    )
+    one = AdapterConfig(rank=8, alpha=8.0, learning_rate=1e-4, batch_size=2)
+    real_step, held, losses = PackedTrainer.step, [], {}
+
+    def step(self):
+        labels = {a: self.jobs[a].config.label() for a in self.jobs}
+        reports = real_step(self)
+        held.append(sorted(labels.values()))
+        for r in reports:
+            losses.setdefault(labels[r.adapter_id], []).append((r.step, r.loss))
+        return reports
+
+    with pytest.MonkeyPatch.context() as patch:
+        three = property(lambda self: 1.001 * self.cost.peak_memory([one] * 3, self.degree))
+        patch.setattr(worker_module.DeviceWorker, "memory_limit", three)  # a device with room for three
+        patch.setattr(worker_module, "ROTATE_MIN_LEAD", 1)
+        patch.setattr(worker_module, "ROTATE_ROUNDS", 4)  # a lead of 3 of the 12 steps
+        patch.setattr(PackedTrainer, "step", step)
+        try:
+            serve(study, PackedObjective(sweep, "synthetic"), n_trials=5)
+        finally:
+            sweep.close()
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 5
+    return held, losses, {t.params["learning_rate"]: t.value for t in study.trials}
+
+
+def test_a_full_pack_rotates_the_last_trials_instead_of_training_them_alone_after_it(tmp_path):
+    plain_held, plain_losses, plain_values = rotation_run(tmp_path, "plain", rotate=False)
+    held, losses, values = rotation_run(tmp_path, "rotated", rotate=True)
+
+    assert len(plain_held) == 24 and [len(h) for h in plain_held] == [3] * 12 + [2] * 12  # two left to the end
+    assert len(held) < 24 and max(len(h) for h in held) == 3  # never more than fit
+    assert sum(len(h) == 3 for h in held) > 12  # the pack stayed full longer
+    assert set(losses) == set(plain_losses) and len(losses) == 5
+    for label, curve in losses.items():
+        assert [s for s, _ in curve] == list(range(1, 13)), label  # every step once, in order
+        assert [loss for _, loss in curve] == pytest.approx([loss for _, loss in plain_losses[label]], rel=1e-4)
+    assert values == pytest.approx(plain_values, rel=1e-4)
