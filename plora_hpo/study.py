@@ -155,13 +155,12 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
     of dead processes are failed and re-queued as rounds start). When nothing is left to take
     but other processes still train trials, it waits: one of them may die and leave retries.
 
-    A round that asks for every trial left at once tells the sweep's pool so
-    (:attr:`~plora_hpo.trials.TrialPool.last_round`): no proposal follows the trials it brings,
-    so a full pack may rotate them (``pack.rotate``).
+    Once a round has proposed its last trial, the sweep's pool holds every trial left
+    (:attr:`~plora_hpo.trials.TrialPool.last_round`), so a full pack may rotate them
+    (``pack.rotate``).
     """
     n_jobs = objective.sweep.concurrency
     objective.warn_if_serial = False  # n_jobs below is as many as there are trials to do
-    pool = objective.sweep.pool
     try:
         while True:
             fail_stale_trials(study)
@@ -173,7 +172,7 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
             finished = sum(t.state.is_finished() for t in live)
             todo = waiting + max(0, n_trials - finished - running - waiting)
             if todo:
-                pool.last_round = todo <= n_jobs
+                objective.expect_calls(todo)
                 with contextlib.suppress(TrialBudgetReached):  # other processes took what this one would ask
                     study.optimize(objective, n_trials=todo, n_jobs=min(n_jobs, todo), catch=())
             elif running:
@@ -181,7 +180,7 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
             else:
                 return
     finally:
-        pool.last_round = False
+        objective.expect_calls(None)
 
 
 def finished_trials(study: optuna.Study) -> int:
@@ -305,6 +304,21 @@ class PackedObjective:
         """Warn once when ``study.optimize`` calls this in its caller's thread (``n_jobs=1``) while
         the sweep could train more trials at once; :func:`serve` turns it off, as it passes
         ``n_jobs=1`` only for the last trial to do."""
+        self._calls_left: int | None = None  # calls the current round of serve() still makes
+        self._calls_lock = threading.Lock()
+
+    def expect_calls(self, calls: int | None) -> None:
+        """The next ``calls`` calls are all there will be (None: unknown): once the last of them
+        has queued its trial, the sweep's pool holds every trial left to train."""
+        with self._calls_lock:
+            self._calls_left = calls
+            self.sweep.pool.last_round = calls == 0
+
+    def _called(self) -> None:
+        with self._calls_lock:
+            if self._calls_left is not None and self._calls_left > 0:
+                self._calls_left -= 1
+                self.sweep.pool.last_round = self._calls_left == 0
 
     def __call__(self, trial: optuna.Trial) -> float | list[float]:
         if self.warn_if_serial and self.sweep.concurrency > 1 and threading.current_thread() is threading.main_thread():
@@ -318,7 +332,9 @@ class PackedObjective:
         config = self.space.suggest(trial)
         params = adapter_params(self.sweep, config)
         try:
-            outcome = self.sweep.submit(trial_request(trial, self.task, config, self.pruning)).wait()
+            ticket = self.sweep.submit(trial_request(trial, self.task, config, self.pruning))
+            self._called()
+            outcome = ticket.wait()
             if outcome.pruned:
                 record_outcome(trial, outcome, params)
                 raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at} ({outcome.value:.4f})")

@@ -413,6 +413,7 @@ def rotation_run(tmp_path, name, rotate):
         patch.setattr(PackedTrainer, "step", step)
         try:
             serve(study, PackedObjective(sweep, "synthetic"), n_trials=5)
+            assert not sweep.pool.last_round  # serve's rounds are over
         finally:
             sweep.close()
     assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 5
