@@ -399,6 +399,7 @@ class _Pack:
         self._joined: list[str] = []
         self._reported_at = time.monotonic()
         self._saves_due: dict[str, None] = {}  # adapters whose checkpoint fell due, in order, not yet saved
+        self._unfit: tuple[int, set[tuple[TrialTicket, str]]] = (-1, set())  # (composition, swaps that do not fit)
 
     # --- engine calls (made by every rank of a tensor-parallel group) ---------------------------
     @_replayed
@@ -976,16 +977,7 @@ class _Pack:
                 for a in self.trainer.jobs
                 if not self.trainer.is_done(a)
             )
-            configs = {a: s.request.config for a, s in self.slots.items()}
-            out = next(
-                (
-                    a
-                    for left, a in ahead
-                    if behind - left >= lead
-                    and worker.fits([c for b, c in configs.items() if b != a] + [ticket.request.config])
-                ),
-                None,
-            )
+            out = next((a for left, a in ahead if behind - left >= lead and self._fits_instead(ticket, a)), None)
             if out is None:
                 return
             if state is None:
@@ -999,6 +991,18 @@ class _Pack:
             log.info("%s: %s waits in host memory while %s trains", self.pack_id, out, ticket.request.adapter_id)
             worker.parked.append(self._park(out))
             self._join(ticket, state)
+
+    def _fits_instead(self, ticket: TrialTicket, member: str) -> bool:
+        """Whether the waiting trial fits in the pack in ``member``'s place (the cost model's
+        answer, asked once per composition: :meth:`_rotate` asks after every step)."""
+        if self._unfit[0] != self._composition:
+            self._unfit = (self._composition, set())
+        unfit = self._unfit[1]
+        if (ticket, member) not in unfit:
+            others = [s.request.config for a, s in self.slots.items() if a != member]
+            if not self.worker.fits([*others, ticket.request.config]):
+                unfit.add((ticket, member))
+        return (ticket, member) not in unfit
 
     # --- cost model -----------------------------------------------------------------------------
     def _maybe_calibrate(self) -> None:
