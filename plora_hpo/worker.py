@@ -958,9 +958,10 @@ class _Pack:
         """
         worker = self.worker
         pool = worker.pool
-        if not (self.config.pack.rotate and pool.last_round and worker.channel is None) or pool.idle_workers:
-            return  # (an idle device takes the waiting trials itself)
-        if self.config.pruning.pruner != "none":  # its intermediate scores live in the slot
+        # not with a pruner (a trial's intermediate scores live in its slot), nor for a tensor-parallel
+        # group, nor while a device is idle (it takes the waiting trials itself)
+        on = self.config.pack.rotate and self.config.pruning.pruner == "none" and worker.channel is None
+        if not (on and pool.last_round) or pool.idle_workers:
             return
         for _ in range(len(worker.parked) + len(pool.waiting())):  # each swap moves one trial in
             waiting = [
