@@ -91,10 +91,10 @@ CLI_SHIM = (
     "import sys; sys.path.insert(0, {bench!r}); import _bootstrap; from plora_hpo.cli import entry; entry(sys.argv[1:])"
 )
 SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measured_step_seconds",
-                "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "solver",
+                "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "memory_limit_gib", "solver",
                 "plan_seconds")  # fmt: skip
 PHASES = ["load-model", "load-data", "compile", "triton-compile", "train", "evaluate", "export", "checkpoint", "join",
-          "mlflow", "planner", "calibrate", "optuna", "gather", "finishing", "idle"]  # fmt: skip
+          "mlflow", "planner", "calibrate", "optuna", "gather", "finishing", "idle", "gc"]  # fmt: skip
 COLORS = {
     "load-model": "#e67700",
     "load-data": "#f59f00",
@@ -113,6 +113,7 @@ COLORS = {
     "gather": "#adb5bd",
     "finishing": "#74c0fc",
     "idle": "#dee2e6",
+    "gc": "#000000",
     "leave": "#495057",
     "progress": "#495057",
     "loop": "#ced4da",
@@ -169,15 +170,18 @@ class GpuSampler:
             self.nvml = None
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _sample(self) -> None:
+        util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
+        mem = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
+        self.samples.append((time.time(), util.gpu, mem.used / 2**30))
+
     def _run(self) -> None:
-        while not self._stop.is_set():
-            util = self.nvml.nvmlDeviceGetUtilizationRates(self.handle)
-            mem = self.nvml.nvmlDeviceGetMemoryInfo(self.handle)
-            self.samples.append((time.time(), util.gpu, mem.used / 2**30))
-            self._stop.wait(self.period)
+        while not self._stop.wait(self.period):
+            self._sample()
 
     def __enter__(self) -> GpuSampler:
         if self.handle is not None:
+            self._sample()  # before anything it times starts
             self._thread.start()
         return self
 
@@ -209,6 +213,12 @@ class GpuSampler:
     def peak_gib(self, start: float, end: float) -> float | None:
         vals = [m for t, _, m in self.samples if start <= t <= end]
         return max(vals) if vals else None
+
+    def used_gib_before(self, start: float) -> float | None:
+        """GPU memory in use at the last sample before ``start``: what other processes (and the
+        driver) held when a process started at ``start``."""
+        vals = [m for t, _, m in self.samples if t <= start]
+        return vals[-1] if vals else None
 
 
 # --- bytecode: the environment as pip installs it ------------------------------------------------
@@ -252,6 +262,20 @@ def write_bytecode() -> dict:
 
 # --- the model: random weights at a real shape, saved with a real tokenizer --------------------------
 def make_model_dir(shape_name: str, tokenizer_dir: Path, out: Path, device: str, smoke: bool) -> dict:
+    """Random weights at ``shape_name`` with the tokenizer of ``tokenizer_dir``, saved in ``out``.
+
+    This runs in a process of its own, so that on a GPU this process holds no GPU memory while the
+    sweeps it times run: a sweep plans its packs with the memory no other process holds, and the
+    weights made here, kept by this process's caching allocator, would leave it gigabytes less room
+    than a user's sweep has (the JSON's ``gpu_used_gib_before`` shows what other processes held)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_make_model_dir, shape_name, tokenizer_dir, out, device, smoke).result()
+
+
+def _make_model_dir(shape_name: str, tokenizer_dir: Path, out: Path, device: str, smoke: bool) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -268,15 +292,12 @@ def make_model_dir(shape_name: str, tokenizer_dir: Path, out: Path, device: str,
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model_params = list(model.parameters())
+    parameters = sum(p.numel() for p in model.parameters())
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
     return {
         "shape": "tiny (smoke)" if smoke else shape_name,
-        "parameters_b": sum(p.numel() for p in model_params) / 1e9,
+        "parameters_b": parameters / 1e9,
         "tokenizer": "SmolLM2-135M (embedded model's)",
         "seconds": time.perf_counter() - started,
     }
@@ -326,6 +347,7 @@ def run_sweep(
         "log_tail": tail if proc.returncode else tail[-800:],
         "gpu_util_mean": sampler.mean_util(start, end),
         "gpu_peak_used_gib": sampler.peak_gib(start, end),
+        "gpu_used_gib_before": sampler.used_gib_before(start),
     }
     print(f"[{stem}] rc={proc.returncode} wall {end - start:.1f}s", flush=True)
     if proc.returncode != 0:
@@ -410,6 +432,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
     from plora_hpo.cli import EXIT_PHASE
 
+    collections = [e for e in events if e["phase"] == "gc"]  # on any thread: a collection holds them all
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
     finishing = [e for e in events if e["thread"].endswith("-finishing")]
     exits = [e for e in events if e["phase"] == EXIT_PHASE]
@@ -448,9 +471,13 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
             step = next((i for i, t in enumerate(trains) if t["start"] <= e["start"] <= t["end"]), None)
             compiles.append({"kernel": e.get("kernel"), "at_s": round(e["start"] - start, 3),
                              "seconds": round(e["end"] - e["start"], 3), "train_step": step})  # fmt: skip
-    slow = [  # what made a step take more than twice the median: kernels compiled, allocator retries
+
+    def collecting(step: dict) -> float:  # seconds of garbage collections inside a step
+        return sum(max(0.0, min(e["end"], step["end"]) - max(e["start"], step["start"])) for e in collections)
+
+    slow = [  # what made a step take more than twice the median: kernels compiled, allocator retries, collections
         {"train_step": i, "seconds": round(d, 3), "alloc_retries": trains[i].get("alloc_retries"),
-         "compiled": [c["kernel"] for c in compiles if c["train_step"] == i]}
+         "compiled": [c["kernel"] for c in compiles if c["train_step"] == i], "gc_s": round(collecting(trains[i]), 3)}
         for i, d in enumerate(steps) if median is not None and d > 2 * median
     ]  # fmt: skip
     return {
@@ -965,6 +992,7 @@ def summarize(result: dict, n_configs: int) -> dict:
     frac = tl.get("fraction", {})
     out["gpu_util_mean_sweep"] = sweep.get("gpu_util_mean")
     out["gpu_util_mean_training_steps"] = sweep.get("gpu_util_mean_training_steps")
+    out["gpu_used_gib_before_sweep"] = sweep.get("gpu_used_gib_before")
     out["timeline_train_fraction"] = frac.get("train")
     out["timeline_eval_fraction"] = frac.get("evaluate")
     out["step_seconds_median"] = tl.get("step_seconds_median")
@@ -983,7 +1011,8 @@ def print_table(result: dict) -> None:
     print(f"{'what':34s} {'makespan s':>11s} {'vs sweep':>9s}  note")
     print(f"{'plora-hpo sweep (measured)':34s} {s['sweep_makespan_s'] or float('nan'):11.1f} {1.0:9.2f}  "
           f"rc={sweep['returncode']}, GPU util {s.get('gpu_util_mean_sweep') or float('nan'):.2f} "
-          f"({s.get('gpu_util_mean_training_steps') or float('nan'):.2f} in training steps)")  # fmt: skip
+          f"({s.get('gpu_util_mean_training_steps') or float('nan'):.2f} in training steps); GPU memory in use "
+          f"before it {s.get('gpu_used_gib_before_sweep') or float('nan'):.2f} GiB")  # fmt: skip
     for kind in ("sequential", "colocated"):
         b = result.get(kind)
         if not b:
@@ -1013,7 +1042,8 @@ def print_table(result: dict) -> None:
         where = "".join(f"; {c['kernel']} {c['seconds']:.2f} s at step {c['train_step']}" for c in mid[:6])
         print(f"Triton compiles inside training steps: {len(mid)}{where}")
         slow = [f"{x['train_step']} ({x['seconds']:.2f} s, compiled {len(x['compiled'])}, "
-                f"allocator retries {x['alloc_retries']})" for x in tl.get("slow_steps", [])[:8]]  # fmt: skip
+                f"allocator retries {x['alloc_retries']}, collecting {x.get('gc_s', 0):.2f} s)"
+                for x in tl.get("slow_steps", [])[:8]]  # fmt: skip
         print("steps over twice the median:", "; ".join(slow) or "none")
         exits = [f"pid {x['pid']} {x['before_end_s']:.2f} s before the end"
                  f"{', teardown waiting for ' + ', '.join(x['waits_for']) if x['teardown'] else ''}"

@@ -52,7 +52,10 @@ class PackSegment:
 
     Times are seconds since the sweep started. ``predicted_*`` come from the worker's cost
     model when the composition formed; ``measured_*`` from the steps it ran (``None`` before
-    two steps, or on the CPU for memory).
+    two steps, or on the CPU for memory). ``memory_limit_gib`` is the memory admission could
+    fill on the device then: a share of what the process holds plus what nobody holds, so a
+    pack smaller than the planner's shows whether the device had less room or the model
+    predicted more.
     """
 
     pack_id: str
@@ -68,6 +71,7 @@ class PackSegment:
     steps: int = 0
     predicted_step_seconds: float | None = None
     predicted_peak_gib: float | None = None
+    memory_limit_gib: float | None = None
     measured_step_seconds: float | None = None
     measured_peak_gib: float | None = None
 

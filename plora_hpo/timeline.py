@@ -14,10 +14,16 @@ A Triton kernel variant compiled while the timeline is on (after :func:`watch_tr
 is a phase too, ``triton-compile``, with the kernel's name in ``kernel``: a step that compiles is
 then told apart from a slow one. Variants compiled on a pool of threads (asynchronous compile
 mode) are left out; the caller's own phase covers them.
+
+So is a full collection of Python's garbage collector (after :func:`watch_collections`), ``gc``
+on the thread that set it off, with ``generation`` and ``collected``; a faster one of a younger
+generation is left out. A collection holds every thread of the process, so a training step that
+one lands in launches nothing meanwhile.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -37,12 +43,14 @@ def record(name: str, start: float, end: float, **details: object) -> None:
     if not path:
         return
     row = {"phase": name, "start": start, "end": end, "thread": threading.current_thread().name, **details}
-    line = json.dumps(row)
+    noted = _collections[:]  # collections seen since the last phase; those this call sets off wait for the next
+    del _collections[: len(noted)]
+    rows = [json.dumps(r) for r in (row, *noted)]
     with _lock:
         handle = _files.get(path)
         if handle is None:
             handle = _files[path] = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the process
-        handle.write(line + "\n")
+        handle.write("".join(line + "\n" for line in rows))
 
 
 def enabled() -> bool:
@@ -100,3 +108,37 @@ def watch_triton_compiles() -> None:
 
     starting.plora_timeline = True  # type: ignore[attr-defined]
     knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = starting, finished
+
+
+_collections: list[dict[str, object]] = []  # full collections not yet written (record() writes them)
+_collection_started = [0.0]
+SLOW_COLLECTION_S = 0.01  # a younger generation's collection at least this long is recorded too
+
+
+def watch_collections() -> None:
+    """Record the garbage collector's full collections (and any other taking at least
+    ``SLOW_COLLECTION_S``) from now on as ``gc`` phases, while the timeline is on; once per process.
+
+    The collector's callback only notes the collection: it may run inside :func:`record`, whose
+    lock it must not take, so the next phase recorded writes it."""
+    if enabled() and _on_collection not in gc.callbacks:
+        gc.callbacks.append(_on_collection)
+
+
+def _on_collection(stage: str, info: dict[str, int]) -> None:
+    now = time.time()
+    if stage == "start":
+        _collection_started[0] = now  # the GIL is held throughout: one collection at a time
+        return
+    start = _collection_started[0]
+    if info["generation"] == 2 or now - start >= SLOW_COLLECTION_S:
+        _collections.append(
+            {
+                "phase": "gc",
+                "start": start,
+                "end": now,
+                "thread": threading.current_thread().name,
+                "generation": info["generation"],
+                "collected": info["collected"],
+            }
+        )

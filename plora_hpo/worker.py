@@ -619,6 +619,7 @@ class _Pack:
             start=self.worker.clock(),
             predicted_step_seconds=self.worker.cost.step_seconds(configs, self.worker.degree),
             predicted_peak_gib=self.worker.predicted_memory(configs) / 2**30,
+            memory_limit_gib=self.worker.memory_limit / 2**30,
         )
         self._joined = []
 

@@ -57,10 +57,13 @@ def test_slow_steps_say_what_slowed_them():
     spans = [(1.0, 1.5, 0), (2.0, 3.9, 0), (4.0, 4.5, 0), (4.6, 5.8, 2), (6.0, 6.5, 0)]
     events = [{**train(a), "end": b, "alloc_retries": r} for a, b, r in spans]
     events += [{"phase": "triton-compile", "start": 2.1, "end": 3.5, "thread": "plora-cuda:0", "kernel": "k"}]
+    # a full collection set off by the checkpoint writer holds the worker's step too; one between steps does not
+    events += [{"phase": "gc", "start": 5.0, "end": 5.6, "thread": "plora-cuda:0-checkpoints", "generation": 2}]
+    events += [{"phase": "gc", "start": 5.85, "end": 5.9, "thread": "plora-cuda:0", "generation": 2}]
     slow = summarize_timeline(events, start=0.0, end=7.0)["slow_steps"]
     assert slow == [  # over twice the 0.5 s median: a kernel compiled in one, the allocator retried in the other
-        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"]},
-        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": []},
+        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"], "gc_s": 0.0},
+        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": [], "gc_s": 0.6},
     ]
 
 

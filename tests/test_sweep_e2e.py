@@ -67,6 +67,29 @@ def finished_sweep(tmp_path_factory):
     return sweep_file, run_dir, study
 
 
+def test_the_sweep_freezes_what_it_loaded_before_its_first_pack(tmp_path, monkeypatch):
+    """What start-up loaded leaves the garbage collector's full scans: after the stores open,
+    before any training step."""
+    import gc
+
+    from plora_hpo.timeline import ENV
+
+    timeline = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(ENV, str(timeline))
+    sweep_file = small_sweep(tmp_path, n_trials=2, budget={"steps": 2}, pack={"size": 2, "gather_seconds": 1})
+    gc.unfreeze()
+    try:
+        assert main(["sweep", str(sweep_file), "--run-dir", str(tmp_path / "runs")]) == 0
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()  # this test process is not the sweep's
+    rows = [json.loads(line) for line in timeline.read_text().splitlines()]
+    first = {}
+    for r in sorted(rows, key=lambda r: r["start"]):
+        first.setdefault(r["phase"], r)
+    assert first["open-stores"]["end"] <= first["freeze"]["start"] <= first["freeze"]["end"] <= first["train"]["start"]
+
+
 def test_every_trial_completes_in_one_pack(finished_sweep):
     _, _, study = finished_sweep
     trials = study.trials

@@ -359,6 +359,9 @@ def test_planner_replans_when_a_trial_is_pruned_fails_or_finishes(tmp_path, monk
     segments = record["segments"]
     assert {m.split("-")[1] for s in segments for m in s["members"]} == {f"t{n}" for n in range(5)}
     assert all(s["policy"] == "planner" and s["predicted_step_seconds"] > 0 for s in segments)
+    # the room admission had: what the device offered, and every composition within it
+    assert all(0 < s["predicted_peak_gib"] <= s["memory_limit_gib"] for s in segments)
+    assert segments[0]["memory_limit_gib"] == pytest.approx(sweep.workers[0].memory_limit / 2**30)
     assert any(s["measured_step_seconds"] for s in segments)
     assert (sweep.run_dir / "packs" / "packs.png").stat().st_size > 0
 
