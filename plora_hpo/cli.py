@@ -296,9 +296,10 @@ def freeze_loaded() -> None:
     Those objects live as long as the process, and there are hundreds of thousands of them: a full
     collection would scan them all, every time, holding every thread meanwhile (a training step it
     lands in launches nothing). Objects made from now on are collected as before."""
-    with phase("freeze"):
+    with phase("freeze") as details:
         gc.freeze()
         gc.enable()
+        details["objects"] = gc.get_freeze_count()
 
 
 def pack_record_line(segments: list, run_dir: Path) -> str | None:
@@ -377,13 +378,16 @@ def main(argv: list[str] | None = None) -> int:
 
     The garbage collector pauses until a sweep or worker has loaded what it keeps
     (:func:`freeze_loaded`): start-up makes objects that live as long as the process, few of them
-    garbage, and full collections would scan them again and again meanwhile. A caller gets its
-    collector back as it was."""
-    collecting = gc.isenabled()
+    garbage, and full collections would scan them again and again meanwhile. A caller (a test, a
+    notebook) gets its collector back as it was: its objects unfrozen, its callbacks its own."""
+    collecting, frozen, callbacks = gc.isenabled(), gc.get_freeze_count(), list(gc.callbacks)
     gc.disable()
     try:
         return _command(argv)
     finally:
+        gc.callbacks[:] = callbacks
+        if not frozen:
+            gc.unfreeze()
         if collecting:
             gc.enable()
 

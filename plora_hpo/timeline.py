@@ -122,10 +122,13 @@ def watch_collections() -> None:
     The collector's callback only notes the collection: it may run inside :func:`record`, whose
     lock it must not take, so the next phase recorded writes it."""
     if enabled() and _on_collection not in gc.callbacks:
+        del _collections[:]  # an earlier watch's, in this process (a caller's: a test, a notebook)
         gc.callbacks.append(_on_collection)
 
 
 def _on_collection(stage: str, info: dict[str, int]) -> None:
+    if not enabled():
+        return
     now = time.time()
     if stage == "start":
         _collection_started[0] = now  # the GIL is held throughout: one collection at a time

@@ -77,17 +77,17 @@ def test_the_sweep_freezes_what_it_loaded_before_its_first_pack(tmp_path, monkey
     timeline = tmp_path / "timeline.jsonl"
     monkeypatch.setenv(ENV, str(timeline))
     sweep_file = small_sweep(tmp_path, n_trials=2, budget={"steps": 2}, pack={"size": 2, "gather_seconds": 1})
-    gc.unfreeze()
-    try:
-        assert main(["sweep", str(sweep_file), "--run-dir", str(tmp_path / "runs")]) == 0
-        assert gc.get_freeze_count() > 0
-    finally:
-        gc.unfreeze()  # this test process is not the sweep's
+    callbacks = list(gc.callbacks)
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
+    assert main(["sweep", str(sweep_file), "--run-dir", str(tmp_path / "runs")]) == 0
+    # a caller's own process gets its collector back: running, nothing frozen, no callback left behind
+    assert gc.get_freeze_count() == 0 and gc.isenabled() and gc.callbacks == callbacks
     rows = [json.loads(line) for line in timeline.read_text().splitlines()]
     first = {}
     for r in sorted(rows, key=lambda r: r["start"]):
         first.setdefault(r["phase"], r)
     assert first["open-stores"]["end"] <= first["freeze"]["start"] <= first["freeze"]["end"] <= first["train"]["start"]
+    assert first["freeze"]["objects"] > 100_000  # the modules, model and data loaded by then
 
 
 def test_every_trial_completes_in_one_pack(finished_sweep):
