@@ -94,7 +94,7 @@ SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measure
                 "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "memory_limit_gib", "solver",
                 "plan_seconds")  # fmt: skip
 PHASES = ["load-model", "load-data", "compile", "triton-compile", "train", "evaluate", "export", "checkpoint", "join",
-          "mlflow", "planner", "calibrate", "optuna", "gather", "finishing", "idle", "gc"]  # fmt: skip
+          "mlflow", "planner", "calibrate", "optuna", "gather", "finishing", "idle", "gc", "mlflow-live"]  # fmt: skip
 COLORS = {
     "load-model": "#e67700",
     "load-data": "#f59f00",
@@ -114,6 +114,7 @@ COLORS = {
     "finishing": "#74c0fc",
     "idle": "#dee2e6",
     "gc": "#000000",
+    "mlflow-live": "#da77f2",
     "leave": "#495057",
     "progress": "#495057",
     "loop": "#ced4da",
@@ -433,6 +434,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     from plora_hpo.cli import EXIT_PHASE
 
     collections = [e for e in events if e["phase"] == "gc"]  # on any thread: a collection holds them all
+    live = [e for e in events if e["phase"] == "mlflow-live"]  # live loss curves, logged by a thread of their own
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
     finishing = [e for e in events if e["thread"].endswith("-finishing")]
     exits = [e for e in events if e["phase"] == EXIT_PHASE]
@@ -472,12 +474,14 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
             compiles.append({"kernel": e.get("kernel"), "at_s": round(e["start"] - start, 3),
                              "seconds": round(e["end"] - e["start"], 3), "train_step": step})  # fmt: skip
 
-    def collecting(step: dict) -> float:  # seconds of garbage collections inside a step
-        return sum(max(0.0, min(e["end"], step["end"]) - max(e["start"], step["start"])) for e in collections)
+    def inside(step: dict, spans: list[dict]) -> float:  # seconds of ``spans`` inside a step
+        return sum(max(0.0, min(e["end"], step["end"]) - max(e["start"], step["start"])) for e in spans)
 
-    slow = [  # what made a step take more than twice the median: kernels compiled, allocator retries, collections
+    slow = [  # what made a step take more than twice the median: kernels compiled, allocator retries, and what
+        # held the GIL from other threads meanwhile: collections, live loss curves going to MLflow
         {"train_step": i, "seconds": round(d, 3), "alloc_retries": trains[i].get("alloc_retries"),
-         "compiled": [c["kernel"] for c in compiles if c["train_step"] == i], "gc_s": round(collecting(trains[i]), 3)}
+         "compiled": [c["kernel"] for c in compiles if c["train_step"] == i],
+         "gc_s": round(inside(trains[i], collections), 3), "mlflow_live_s": round(inside(trains[i], live), 3)}
         for i, d in enumerate(steps) if median is not None and d > 2 * median
     ]  # fmt: skip
     return {
@@ -1042,7 +1046,8 @@ def print_table(result: dict) -> None:
         where = "".join(f"; {c['kernel']} {c['seconds']:.2f} s at step {c['train_step']}" for c in mid[:6])
         print(f"Triton compiles inside training steps: {len(mid)}{where}")
         slow = [f"{x['train_step']} ({x['seconds']:.2f} s, compiled {len(x['compiled'])}, "
-                f"allocator retries {x['alloc_retries']}, collecting {x.get('gc_s', 0):.2f} s)"
+                f"allocator retries {x['alloc_retries']}, collecting {x.get('gc_s', 0):.2f} s, "
+                f"live curves {x.get('mlflow_live_s', 0):.2f} s)"
                 for x in tl.get("slow_steps", [])[:8]]  # fmt: skip
         print("steps over twice the median:", "; ".join(slow) or "none")
         exits = [f"pid {x['pid']} {x['before_end_s']:.2f} s before the end"

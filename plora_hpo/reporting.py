@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from plora_hpo.errors import first_line
 from plora_hpo.pacing import SharePacer
+from plora_hpo.timeline import phase
 from plora_hpo.trials import TrialRequest
 
 if TYPE_CHECKING:
@@ -239,7 +240,8 @@ class MlflowReporter(_SegmentLog):
                 self._live_sending = run_id
             started = self._clock()
             try:
-                self._log(run_id, curve_rows(curve), done=False)
+                with phase("mlflow-live"):  # its own thread's, beside the training loop
+                    self._log(run_id, curve_rows(curve), done=False)
             except Exception as err:  # a live view only: the run's last report logs the whole curve
                 log.warning("the live loss curve of MLflow run %s was not logged: %s", run_id, first_line(err))
             finally:

@@ -60,10 +60,11 @@ def test_slow_steps_say_what_slowed_them():
     # a full collection set off by the checkpoint writer holds the worker's step too; one between steps does not
     events += [{"phase": "gc", "start": 5.0, "end": 5.6, "thread": "plora-cuda:0-checkpoints", "generation": 2}]
     events += [{"phase": "gc", "start": 5.85, "end": 5.9, "thread": "plora-cuda:0", "generation": 2}]
+    events += [{"phase": "mlflow-live", "start": 3.5, "end": 4.2, "thread": "mlflow-live-curves"}]  # into step 2
     slow = summarize_timeline(events, start=0.0, end=7.0)["slow_steps"]
     assert slow == [  # over twice the 0.5 s median: a kernel compiled in one, the allocator retried in the other
-        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"], "gc_s": 0.0},
-        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": [], "gc_s": 0.6},
+        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"], "gc_s": 0.0, "mlflow_live_s": 0.4},
+        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": [], "gc_s": 0.6, "mlflow_live_s": 0.0},
     ]
 
 

@@ -68,6 +68,26 @@ def test_curve_is_live_while_training_and_logged_once(tmp_path: Path):
     reporter.close()
 
 
+def test_a_live_curve_s_delivery_is_a_timeline_phase_of_its_own_thread(tmp_path: Path, monkeypatch):
+    """The thread shares the GIL with the training loop: the timeline shows when it works."""
+    import json
+
+    from plora_hpo.timeline import ENV
+
+    timeline = tmp_path / "timeline.jsonl"
+    monkeypatch.setenv(ENV, str(timeline))
+    tracker, reporter, record, _ = _one_trial(tmp_path)
+    record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2, 3)]
+    handed = time.time()
+    reporter.trial_progress(record)
+    reporter.flush()
+    rows = [r for r in map(json.loads, timeline.read_text().splitlines()) if r["phase"] == "mlflow-live"]
+    assert len(rows) == 1 and rows[0]["thread"] == "mlflow-live-curves"
+    assert handed <= rows[0]["start"] <= rows[0]["end"]
+    reporter.close()
+    tracker.finish()
+
+
 def test_live_curves_leave_the_training_thread_and_a_finished_run_waits_for_one_in_flight(tmp_path: Path):
     tracker, reporter, record, client = _one_trial(tmp_path)
 
