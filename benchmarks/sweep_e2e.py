@@ -76,8 +76,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: F401  (plora_hpo importable from a bare checkout)
@@ -87,6 +88,7 @@ if TYPE_CHECKING:
     from plora_hpo.config import SweepConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+T = TypeVar("T")
 CLI_SHIM = (
     "import sys; sys.path.insert(0, {bench!r}); import _bootstrap; from plora_hpo.cli import entry; entry(sys.argv[1:])"
 )
@@ -137,7 +139,24 @@ def versions() -> dict:
     return out
 
 
+def in_own_process(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a spawned process of its own. What this process runs before the sweeps it
+    times touches the GPU only that way: a CUDA context here (hundreds of MiB), or memory kept by
+    its caching allocator, would leave each sweep less room than a user's sweep has, since a sweep
+    plans its packs with the memory no other process holds."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(fn, *args).result()
+
+
 def device_info() -> dict:
+    """The first GPU's name and memory as torch reports them (asked in a process of its own)."""
+    return in_own_process(_device_info)
+
+
+def _device_info() -> dict:
     import torch
 
     if not torch.cuda.is_available():
@@ -263,17 +282,10 @@ def write_bytecode() -> dict:
 
 # --- the model: random weights at a real shape, saved with a real tokenizer --------------------------
 def make_model_dir(shape_name: str, tokenizer_dir: Path, out: Path, device: str, smoke: bool) -> dict:
-    """Random weights at ``shape_name`` with the tokenizer of ``tokenizer_dir``, saved in ``out``.
-
-    This runs in a process of its own, so that on a GPU this process holds no GPU memory while the
-    sweeps it times run: a sweep plans its packs with the memory no other process holds, and the
-    weights made here, kept by this process's caching allocator, would leave it gigabytes less room
-    than a user's sweep has (the JSON's ``gpu_used_gib_before`` shows what other processes held)."""
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_make_model_dir, shape_name, tokenizer_dir, out, device, smoke).result()
+    """Random weights at ``shape_name`` with the tokenizer of ``tokenizer_dir``, saved in ``out``;
+    made in a process of its own (:func:`in_own_process`: on a GPU, kept here, they would take
+    gigabytes of the sweeps' room; each sweep's ``gpu_used_gib_before`` shows what others held)."""
+    return in_own_process(_make_model_dir, shape_name, tokenizer_dir, out, device, smoke)
 
 
 def _make_model_dir(shape_name: str, tokenizer_dir: Path, out: Path, device: str, smoke: bool) -> dict:
