@@ -33,9 +33,10 @@ and which are extrapolated to all configs (``measured`` / ``extrapolated`` keys,
 
 The sweep runs with ``PLORA_HPO_TIMELINE`` set, so its worker writes every phase (training,
 evaluation, export, checkpoint, MLflow, planner, Optuna hand-off, waiting) with wall-clock times;
-GPU utilisation is sampled through NVML meanwhile (its mean over the sweep, and over the samples
-taken inside training steps). The JSON and a PNG timeline go under ``$OUT``;
-a short table is printed last.
+GPU utilisation is sampled through NVML meanwhile (its mean over the sweep, over the samples
+taken inside training steps, and the seconds the GPU sat idle inside each of the worker's phases:
+``gpu_idle_s_by_phase``, where the wall time goes without the GPU working). The JSON and a PNG
+timeline go under ``$OUT``; a short table is printed last.
 
 Device (from the repository root, wheels from ``benchmarks/gpu_wheels.py`` in ``.whl``, MRPC in a
 data folder)::
@@ -372,6 +373,7 @@ def run_sweep(
     result["events"] = events
     steps = [(e["start"], e["end"]) for e in events if e["phase"] == "train"]
     result["gpu_util_mean_training_steps"] = sampler.mean_util_during(steps)
+    result["gpu_idle_s_by_phase"] = gpu_idle_by_phase(events, start, end, sampler.samples)
     packs = run_dir / "packs" / "packs.json"
     if packs.exists():
         segs = json.loads(packs.read_text())
@@ -441,6 +443,42 @@ def read_trials(run_dir: Path, sweep_file: Path, start: float) -> list[dict]:
     return out
 
 
+def worker_spans(events: list[dict], start: float, end: float) -> list[tuple[float, float, str]]:
+    """The sweep's wall time cut into ``(from, to, phase)`` pieces by the worker threads' innermost
+    phase: 'startup' before their first phase, 'loop' inside a pack with no phase, 'shutdown' after
+    their last. ``events``: the worker threads' phases only."""
+    bounds = sorted({e["start"] for e in events} | {e["end"] for e in events})
+    spans = [(start, bounds[0], "startup")]
+    for a, b in itertools.pairwise(bounds):
+        mid = (a + b) / 2
+        active = [e for e in events if e["start"] <= mid < e["end"]]
+        spans.append((a, b, min(active, key=lambda e: e["end"] - e["start"])["phase"] if active else "loop"))
+    spans.append((bounds[-1], end, "shutdown"))
+    return spans
+
+
+def gpu_idle_by_phase(events: list[dict], start: float, end: float, samples: list[tuple]) -> dict[str, float]:
+    """Seconds the GPU sat idle inside each worker phase (:func:`worker_spans`), largest first: each
+    NVML sample's idle share (1 − utilisation) held until the next sample, integrated over the
+    phase's pieces. Where the sweep's wall time goes without the GPU working."""
+    aside = ("-checkpoints", "-finishing")  # the worker's background threads
+    events = [e for e in events if e["thread"].startswith("plora-") and not e["thread"].endswith(aside)]
+    points = [(t, 1 - u / 100) for t, u, *_ in samples if start <= t <= end]
+    if not events or len(points) < 2:
+        return {}
+    times = [t for t, _ in points]
+    idle: dict[str, float] = {}
+    for a, b, name in worker_spans(events, start, end):
+        i = max(0, bisect.bisect_right(times, a) - 1)  # the sample holding at ``a``
+        seconds = 0.0
+        while i < len(points) and points[i][0] < b:
+            lo, hi = max(a, points[i][0]), min(b, points[i + 1][0] if i + 1 < len(points) else b)
+            seconds += max(0.0, hi - lo) * points[i][1]
+            i += 1
+        idle[name] = idle.get(name, 0.0) + seconds
+    return {k: round(v, 2) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}
+
+
 def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
     from plora_hpo.cli import EXIT_PHASE
@@ -455,16 +493,11 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
     events = [e for e in events if e["thread"].startswith("plora-") and not e["thread"].endswith(aside)]
     if not events:
         return {"note": "no timeline events (PLORA_HPO_TIMELINE not honoured?)"}
-    bounds = sorted({e["start"] for e in events} | {e["end"] for e in events})
     seconds: dict[str, float] = {}
-    for a, b in itertools.pairwise(bounds):
-        mid = (a + b) / 2
-        active = [e for e in events if e["start"] <= mid < e["end"]]
-        name = min(active, key=lambda e: e["end"] - e["start"])["phase"] if active else "loop"
+    spans = worker_spans(events, start, end)
+    for a, b, name in spans:
         seconds[name] = seconds.get(name, 0.0) + (b - a)
-    first = bounds[0]
-    seconds["startup"] = first - start
-    seconds["shutdown"] = end - bounds[-1]
+    first = spans[0][1]
     wall = end - start
 
     def totals(spans: list[dict]) -> dict[str, float]:
@@ -1009,6 +1042,7 @@ def summarize(result: dict, n_configs: int) -> dict:
     out["gpu_util_mean_sweep"] = sweep.get("gpu_util_mean")
     out["gpu_util_mean_training_steps"] = sweep.get("gpu_util_mean_training_steps")
     out["gpu_used_gib_before_sweep"] = sweep.get("gpu_used_gib_before")
+    out["gpu_idle_s_by_phase"] = dict(list((sweep.get("gpu_idle_s_by_phase") or {}).items())[:8])
     out["timeline_train_fraction"] = frac.get("train")
     out["timeline_eval_fraction"] = frac.get("evaluate")
     out["step_seconds_median"] = tl.get("step_seconds_median")
@@ -1054,6 +1088,8 @@ def print_table(result: dict) -> None:
         print("timeline (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl["seconds"].items()))
         print("of the startup (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("startup_phases", {}).items()))
         print("of the shutdown (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("shutdown_phases", {}).items()))
+        idle = sweep.get("gpu_idle_s_by_phase") or {}
+        print(f"GPU idle (s, {sum(idle.values()):.1f} in all):", ", ".join(f"{k} {v:.1f}" for k, v in idle.items()))
         mid = [c for c in tl.get("triton_compiles", []) if c["train_step"] is not None]
         where = "".join(f"; {c['kernel']} {c['seconds']:.2f} s at step {c['train_step']}" for c in mid[:6])
         print(f"Triton compiles inside training steps: {len(mid)}{where}")

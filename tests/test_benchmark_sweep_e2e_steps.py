@@ -1,5 +1,6 @@
 """benchmarks/sweep_e2e.py's engine_only stage finds the sweep's biggest pack and its steps on the timeline;
-its GPU sampler averages the samples inside given spans; it writes the bytecode a package on
+its GPU sampler averages the samples inside given spans, and the GPU's idle seconds go to the worker
+phase they fell in; it writes the bytecode a package on
 PYTHONPATH lacks before anything is timed."""
 
 from __future__ import annotations
@@ -75,6 +76,21 @@ def test_gpu_utilisation_inside_spans_counts_each_sample_once():
     spans = [(3.0, 3.5), (1.0, 1.5), (1.4, 2.0)]
     assert sampler.mean_util_during(spans) == (90 + 100 + 80) / 3 / 100
     assert sampler.mean_util_during([]) is None
+
+
+def test_the_gpu_s_idle_seconds_go_to_the_worker_phase_they_fell_in():
+    from sweep_e2e import gpu_idle_by_phase
+
+    events = [train(1.0), train(2.0)]  # steps at 1.0-1.5 and 2.0-2.5; the loop between them
+    events += [{"phase": "evaluate", "start": 3.0, "end": 4.0, "thread": "plora-cuda:0"}]
+    events += [{"phase": "export", "start": 3.0, "end": 3.5, "thread": "plora-cuda:0-finishing"}]  # beside it
+    samples = [(0.0, 0, 0.0), (1.0, 100, 9.0), (1.25, 50, 9.0), (1.5, 0, 9.0), (3.0, 20, 9.0), (5.0, 0, 9.0)]
+    idle = gpu_idle_by_phase(events, start=0.0, end=5.0, samples=samples)
+    # start-up 0-1 s idle; the steps: 0.25 s at half busy, the second at 0% from the 1.5 s sample; the loop
+    # 1.5-2 and 2.5-3 idle; evaluation at 20% busy; the finishing thread's export is no phase of the worker's
+    assert idle == {"train": 0.62, "startup": 1.0, "loop": 1.0, "evaluate": 0.8, "shutdown": 0.8}
+    assert list(idle) == sorted(idle, key=idle.get, reverse=True)
+    assert gpu_idle_by_phase(events, 0.0, 5.0, samples[:1]) == {}  # too few samples to say
 
 
 def test_a_package_without_bytecode_on_pythonpath_gets_it(tmp_path, monkeypatch):
