@@ -97,7 +97,8 @@ SEGMENT_KEYS = ("pack_id", "device", "labels", "start", "end", "steps", "measure
                 "predicted_step_seconds", "measured_peak_gib", "predicted_peak_gib", "memory_limit_gib", "solver",
                 "plan_seconds")  # fmt: skip
 PHASES = ["load-model", "load-data", "compile", "triton-compile", "train", "evaluate", "export", "checkpoint", "join",
-          "mlflow", "planner", "calibrate", "optuna", "gather", "finishing", "idle", "gc", "mlflow-live"]  # fmt: skip
+          "mlflow", "planner", "calibrate", "optuna", "gather", "finishing", "idle", "gc", "mlflow-live",
+          "heartbeat"]  # fmt: skip
 COLORS = {
     "load-model": "#e67700",
     "load-data": "#f59f00",
@@ -118,6 +119,7 @@ COLORS = {
     "idle": "#dee2e6",
     "gc": "#000000",
     "mlflow-live": "#da77f2",
+    "heartbeat": "#f06595",
     "leave": "#495057",
     "progress": "#495057",
     "loop": "#ced4da",
@@ -485,6 +487,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
 
     collections = [e for e in events if e["phase"] == "gc"]  # on any thread: a collection holds them all
     live = [e for e in events if e["phase"] == "mlflow-live"]  # live loss curves, logged by a thread of their own
+    beats = [e for e in events if e["phase"] == "heartbeat"]  # Optuna's heartbeat threads, one per trial in flight
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
     finishing = [e for e in events if e["thread"].endswith("-finishing")]
     exits = [e for e in events if e["phase"] == EXIT_PHASE]
@@ -519,14 +522,20 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
             compiles.append({"kernel": e.get("kernel"), "at_s": round(e["start"] - start, 3),
                              "seconds": round(e["end"] - e["start"], 3), "train_step": step})  # fmt: skip
 
-    def inside(step: dict, spans: list[dict]) -> float:  # seconds of ``spans`` inside a step
-        return sum(max(0.0, min(e["end"], step["end"]) - max(e["start"], step["start"])) for e in spans)
+    def inside(step: dict, spans: list[dict]) -> float:  # seconds inside a step with any of ``spans`` running
+        cuts = sorted((max(e["start"], step["start"]), min(e["end"], step["end"])) for e in spans)
+        seconds, reached = 0.0, step["start"]
+        for a, b in cuts:  # overlapping spans (threads at once) count once
+            seconds += max(0.0, b - max(a, reached))
+            reached = max(reached, b)
+        return seconds
 
     slow = [  # what made a step take more than twice the median: kernels compiled, allocator retries, and what
-        # held the GIL from other threads meanwhile: collections, live loss curves going to MLflow
+        # held the GIL from other threads meanwhile: collections, live loss curves going to MLflow, Optuna's heartbeats
         {"train_step": i, "seconds": round(d, 3), "alloc_retries": trains[i].get("alloc_retries"),
          "compiled": [c["kernel"] for c in compiles if c["train_step"] == i],
-         "gc_s": round(inside(trains[i], collections), 3), "mlflow_live_s": round(inside(trains[i], live), 3)}
+         "gc_s": round(inside(trains[i], collections), 3), "mlflow_live_s": round(inside(trains[i], live), 3),
+         "heartbeat_s": round(inside(trains[i], beats), 3)}
         for i, d in enumerate(steps) if median is not None and d > 2 * median
     ]  # fmt: skip
     return {
@@ -563,7 +572,9 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "on the worker: waiting for them at a pack's end; triton_compiles: Triton kernel variants compiled on the "
         "worker's thread (not those of the compile pass, compiled on a pool), with the training step (0-based) they "
         "were in; slow_steps: training steps over twice the median, with the kernels compiled in them and the "
-        "caching allocator's retries during them (alloc_retries, CUDA only); exits: each plora-hpo process about to "
+        "caching allocator's retries during them (alloc_retries, CUDA only), and the seconds of them during which "
+        "a full collection (gc_s), a live loss curve's MLflow write (mlflow_live_s) or an Optuna heartbeat "
+        "(heartbeat_s) ran on any thread; exits: each plora-hpo process about to "
         "exit, how long before the sweep's end, whether it took Python's teardown and which threads that waited for",
     }
 
@@ -1095,7 +1106,7 @@ def print_table(result: dict) -> None:
         print(f"Triton compiles inside training steps: {len(mid)}{where}")
         slow = [f"{x['train_step']} ({x['seconds']:.2f} s, compiled {len(x['compiled'])}, "
                 f"allocator retries {x['alloc_retries']}, collecting {x.get('gc_s', 0):.2f} s, "
-                f"live curves {x.get('mlflow_live_s', 0):.2f} s)"
+                f"live curves {x.get('mlflow_live_s', 0):.2f} s, heartbeats {x.get('heartbeat_s', 0):.2f} s)"
                 for x in tl.get("slow_steps", [])[:8]]  # fmt: skip
         print("steps over twice the median:", "; ".join(slow) or "none")
         exits = [f"pid {x['pid']} {x['before_end_s']:.2f} s before the end"

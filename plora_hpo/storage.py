@@ -29,6 +29,7 @@ from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
 
 from plora_hpo.errors import PloraError, first_line
+from plora_hpo.timeline import phase
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +80,13 @@ class SweepStorage(RDBStorage):
         server away for a moment) would end with a traceback, leaving the trial without
         heartbeats for the rest of its training, so another process would re-run it. A missed
         heartbeat only ages the trial; the training thread meets a lasting storage error at its
-        next write and stops the sweep with it.
+        next write and stops the sweep with it. Each write is a ``heartbeat`` phase of the
+        timeline (:mod:`plora_hpo.timeline`): these threads share the interpreter with the training
+        loop, one per trial in flight.
         """
         try:
-            super().record_heartbeat(trial_id)
+            with phase("heartbeat"):
+                super().record_heartbeat(trial_id)
         except Exception as err:
             log.warning(
                 "trial %d: heartbeat not recorded (%s); trying again in %d s",

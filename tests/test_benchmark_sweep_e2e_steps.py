@@ -62,11 +62,16 @@ def test_slow_steps_say_what_slowed_them():
     events += [{"phase": "gc", "start": 5.0, "end": 5.6, "thread": "plora-cuda:0-checkpoints", "generation": 2}]
     events += [{"phase": "gc", "start": 5.85, "end": 5.9, "thread": "plora-cuda:0", "generation": 2}]
     events += [{"phase": "mlflow-live", "start": 3.5, "end": 4.2, "thread": "mlflow-live-curves"}]  # into step 2
+    # two trials' heartbeats at once count once: 4.7-5.2 inside step 4
+    beats = [(4.7, 5.0, "hb-1"), (4.8, 5.2, "hb-2")]
+    events += [{"phase": "heartbeat", "start": a, "end": b, "thread": t} for a, b, t in beats]
     slow = summarize_timeline(events, start=0.0, end=7.0)["slow_steps"]
     assert slow == [  # over twice the 0.5 s median: a kernel compiled in one, the allocator retried in the other
-        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"], "gc_s": 0.0, "mlflow_live_s": 0.4},
-        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": [], "gc_s": 0.6, "mlflow_live_s": 0.0},
-    ]
+        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"], "gc_s": 0.0, "mlflow_live_s": 0.4,
+         "heartbeat_s": 0.0},
+        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": [], "gc_s": 0.6, "mlflow_live_s": 0.0,
+         "heartbeat_s": 0.5},
+    ]  # fmt: skip
 
 
 def test_gpu_utilisation_inside_spans_counts_each_sample_once():
