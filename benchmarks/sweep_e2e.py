@@ -530,9 +530,15 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
             reached = max(reached, b)
         return seconds
 
+    most = 0  # whether a step computed more tokens than every step before it (memory and shapes never met before)
+    biggest = []
+    for t in trains:
+        biggest.append(t.get("padded_tokens", 0) > most)
+        most = max(most, t.get("padded_tokens", 0))
     slow = [  # what made a step take more than twice the median: kernels compiled, allocator retries, and what
         # held the GIL from other threads meanwhile: collections, live loss curves going to MLflow, Optuna's heartbeats
         {"train_step": i, "seconds": round(d, 3), "alloc_retries": trains[i].get("alloc_retries"),
+         "padded_tokens": trains[i].get("padded_tokens"), "most_tokens_yet": biggest[i],
          "compiled": [c["kernel"] for c in compiles if c["train_step"] == i],
          "gc_s": round(inside(trains[i], collections), 3), "mlflow_live_s": round(inside(trains[i], live), 3),
          "heartbeat_s": round(inside(trains[i], beats), 3)}
@@ -572,9 +578,10 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "on the worker: waiting for them at a pack's end; triton_compiles: Triton kernel variants compiled on the "
         "worker's thread (not those of the compile pass, compiled on a pool), with the training step (0-based) they "
         "were in; slow_steps: training steps over twice the median, with the kernels compiled in them and the "
-        "caching allocator's retries during them (alloc_retries, CUDA only), and the seconds of them during which "
-        "a full collection (gc_s), a live loss curve's MLflow write (mlflow_live_s) or an Optuna heartbeat "
-        "(heartbeat_s) ran on any thread; exits: each plora-hpo process about to "
+        "caching allocator's retries during them (alloc_retries, CUDA only), the tokens the step computed "
+        "(padded_tokens) and whether no earlier step computed as many (most_tokens_yet), and the seconds of them "
+        "during which a full collection (gc_s), a live loss curve's MLflow write (mlflow_live_s) or an Optuna "
+        "heartbeat (heartbeat_s) ran on any thread; exits: each plora-hpo process about to "
         "exit, how long before the sweep's end, whether it took Python's teardown and which threads that waited for",
     }
 
@@ -1105,7 +1112,8 @@ def print_table(result: dict) -> None:
         where = "".join(f"; {c['kernel']} {c['seconds']:.2f} s at step {c['train_step']}" for c in mid[:6])
         print(f"Triton compiles inside training steps: {len(mid)}{where}")
         slow = [f"{x['train_step']} ({x['seconds']:.2f} s, compiled {len(x['compiled'])}, "
-                f"allocator retries {x['alloc_retries']}, collecting {x.get('gc_s', 0):.2f} s, "
+                f"allocator retries {x['alloc_retries']}, {x.get('padded_tokens')} tokens"
+                f"{' (most yet)' if x.get('most_tokens_yet') else ''}, collecting {x.get('gc_s', 0):.2f} s, "
                 f"live curves {x.get('mlflow_live_s', 0):.2f} s, heartbeats {x.get('heartbeat_s', 0):.2f} s)"
                 for x in tl.get("slow_steps", [])[:8]]  # fmt: skip
         print("steps over twice the median:", "; ".join(slow) or "none")

@@ -433,9 +433,11 @@ class _Pack:
         watch = device.type == "cuda" and timeline_enabled()
         with phase("train") as details:
             before = _alloc_retries(device) if watch else 0
+            tokens = self.trainer.stats.padded_tokens
             reports = self.trainer.step()
             if watch:  # the caching allocator emptied its cache to fit the step: a step slowed by memory
                 details["alloc_retries"] = _alloc_retries(device) - before
+            details["padded_tokens"] = self.trainer.stats.padded_tokens - tokens  # the step's size, padding included
         return reports
 
     @_replayed

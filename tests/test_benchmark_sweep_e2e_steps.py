@@ -55,8 +55,8 @@ def test_a_kernel_compiled_inside_a_step_is_named_with_its_step():
 def test_slow_steps_say_what_slowed_them():
     from sweep_e2e import summarize_timeline
 
-    spans = [(1.0, 1.5, 0), (2.0, 3.9, 0), (4.0, 4.5, 0), (4.6, 5.8, 2), (6.0, 6.5, 0)]
-    events = [{**train(a), "end": b, "alloc_retries": r} for a, b, r in spans]
+    spans = [(1.0, 1.5, 0, 900), (2.0, 3.9, 0, 1200), (4.0, 4.5, 0, 1500), (4.6, 5.8, 2, 1400), (6.0, 6.5, 0, 800)]
+    events = [{**train(a), "end": b, "alloc_retries": r, "padded_tokens": n} for a, b, r, n in spans]
     events += [{"phase": "triton-compile", "start": 2.1, "end": 3.5, "thread": "plora-cuda:0", "kernel": "k"}]
     # a full collection set off by the checkpoint writer holds the worker's step too; one between steps does not
     events += [{"phase": "gc", "start": 5.0, "end": 5.6, "thread": "plora-cuda:0-checkpoints", "generation": 2}]
@@ -67,10 +67,10 @@ def test_slow_steps_say_what_slowed_them():
     events += [{"phase": "heartbeat", "start": a, "end": b, "thread": t} for a, b, t in beats]
     slow = summarize_timeline(events, start=0.0, end=7.0)["slow_steps"]
     assert slow == [  # over twice the 0.5 s median: a kernel compiled in one, the allocator retried in the other
-        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "compiled": ["k"], "gc_s": 0.0, "mlflow_live_s": 0.4,
-         "heartbeat_s": 0.0},
-        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "compiled": [], "gc_s": 0.6, "mlflow_live_s": 0.0,
-         "heartbeat_s": 0.5},
+        {"train_step": 1, "seconds": 1.9, "alloc_retries": 0, "padded_tokens": 1200, "most_tokens_yet": True,
+         "compiled": ["k"], "gc_s": 0.0, "mlflow_live_s": 0.4, "heartbeat_s": 0.0},
+        {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "padded_tokens": 1400, "most_tokens_yet": False,
+         "compiled": [], "gc_s": 0.6, "mlflow_live_s": 0.0, "heartbeat_s": 0.5},
     ]  # fmt: skip
 
 

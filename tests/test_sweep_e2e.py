@@ -88,6 +88,8 @@ def test_the_sweep_freezes_what_it_loaded_before_its_first_pack(tmp_path, monkey
         first.setdefault(r["phase"], r)
     assert first["open-stores"]["end"] <= first["freeze"]["start"] <= first["freeze"]["end"] <= first["train"]["start"]
     assert first["freeze"]["objects"] > 100_000  # the modules, model and data loaded by then
+    steps = [r for r in rows if r["phase"] == "train"]
+    assert steps and all(r["padded_tokens"] > 0 for r in steps)  # each step's size, for slow steps
 
 
 def test_every_trial_completes_in_one_pack(finished_sweep):
