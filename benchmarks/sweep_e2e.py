@@ -371,11 +371,10 @@ def run_sweep(
         return result
     result["trials"] = read_trials(run_dir, sweep_file, start)
     events = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
-    result["timeline"] = summarize_timeline(events, start, end)
+    result["timeline"] = summarize_timeline(events, start, end, sampler.samples)
     result["events"] = events
     steps = [(e["start"], e["end"]) for e in events if e["phase"] == "train"]
     result["gpu_util_mean_training_steps"] = sampler.mean_util_during(steps)
-    result["gpu_idle_s_by_phase"] = gpu_idle_by_phase(events, start, end, sampler.samples)
     packs = run_dir / "packs" / "packs.json"
     if packs.exists():
         segs = json.loads(packs.read_text())
@@ -459,18 +458,17 @@ def worker_spans(events: list[dict], start: float, end: float) -> list[tuple[flo
     return spans
 
 
-def gpu_idle_by_phase(events: list[dict], start: float, end: float, samples: list[tuple]) -> dict[str, float]:
-    """Seconds the GPU sat idle inside each worker phase (:func:`worker_spans`), largest first: each
-    NVML sample's idle share (1 − utilisation) held until the next sample, integrated over the
-    phase's pieces. Where the sweep's wall time goes without the GPU working."""
-    aside = ("-checkpoints", "-finishing")  # the worker's background threads
-    events = [e for e in events if e["thread"].startswith("plora-") and not e["thread"].endswith(aside)]
+def gpu_idle_by_phase(spans: list[tuple[float, float, str]], samples: list[tuple]) -> dict[str, float]:
+    """Seconds the GPU sat idle inside each phase of ``spans`` (:func:`worker_spans`), largest first:
+    each NVML sample's idle share (1 − utilisation) held until the next sample, integrated over the
+    phase's pieces. Where the sweep's wall time goes without the GPU working; empty without samples."""
+    start, end = spans[0][0], spans[-1][1]
     points = [(t, 1 - u / 100) for t, u, *_ in samples if start <= t <= end]
-    if not events or len(points) < 2:
+    if len(points) < 2:
         return {}
     times = [t for t, _ in points]
     idle: dict[str, float] = {}
-    for a, b, name in worker_spans(events, start, end):
+    for a, b, name in spans:
         i = max(0, bisect.bisect_right(times, a) - 1)  # the sample holding at ``a``
         seconds = 0.0
         while i < len(points) and points[i][0] < b:
@@ -481,8 +479,9 @@ def gpu_idle_by_phase(events: list[dict], start: float, end: float, samples: lis
     return {k: round(v, 2) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}
 
 
-def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
-    """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown."""
+def summarize_timeline(events: list[dict], start: float, end: float, samples: list[tuple] = ()) -> dict:
+    """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown;
+    with the GPU sampler's ``samples``, the GPU's idle seconds in each (:func:`gpu_idle_by_phase`)."""
     from plora_hpo.cli import EXIT_PHASE
 
     collections = [e for e in events if e["phase"] == "gc"]  # on any thread: a collection holds them all
@@ -550,6 +549,7 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "fraction": {k: round(v / wall, 4) for k, v in seconds.items()},
         "startup_phases": startup_phases,
         "shutdown_phases": shutdown_phases,
+        "gpu_idle_s_by_phase": gpu_idle_by_phase(spans, samples),
         "background_checkpoint_write_s": round(sum(e["end"] - e["start"] for e in background), 3),
         "background_checkpoint_writes": len(background),
         "background_finishing": totals(finishing),
@@ -572,7 +572,8 @@ def summarize_timeline(events: list[dict], start: float, end: float) -> dict:
         "stores), with startup_phases the parts of it the sweep's processes timed (summed over processes: they "
         "overlap; check-* and check-resume are parts of check-inputs); shutdown_phases: the same after the "
         "worker's first phase (closing); "
-        "'shutdown' = the worker's last phase to process exit; background_checkpoint_write_s: the checkpoint "
+        "'shutdown' = the worker's last phase to process exit; gpu_idle_s_by_phase: the GPU's idle seconds inside "
+        "each of those (NVML samples, each held until the next); background_checkpoint_write_s: the checkpoint "
         "writer thread's torch.save time, overlapping the worker's phases; background_finishing: the finishing "
         "thread's phases (finished adapters' files, MLflow runs, results), overlapping the worker's; 'finishing' "
         "on the worker: waiting for them at a pack's end; triton_compiles: Triton kernel variants compiled on the "
@@ -1060,7 +1061,7 @@ def summarize(result: dict, n_configs: int) -> dict:
     out["gpu_util_mean_sweep"] = sweep.get("gpu_util_mean")
     out["gpu_util_mean_training_steps"] = sweep.get("gpu_util_mean_training_steps")
     out["gpu_used_gib_before_sweep"] = sweep.get("gpu_used_gib_before")
-    out["gpu_idle_s_by_phase"] = dict(list((sweep.get("gpu_idle_s_by_phase") or {}).items())[:8])
+    out["gpu_idle_s_by_phase"] = dict(list((tl.get("gpu_idle_s_by_phase") or {}).items())[:8])
     out["timeline_train_fraction"] = frac.get("train")
     out["timeline_eval_fraction"] = frac.get("evaluate")
     out["step_seconds_median"] = tl.get("step_seconds_median")
@@ -1106,7 +1107,7 @@ def print_table(result: dict) -> None:
         print("timeline (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl["seconds"].items()))
         print("of the startup (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("startup_phases", {}).items()))
         print("of the shutdown (s):", ", ".join(f"{k} {v:.1f}" for k, v in tl.get("shutdown_phases", {}).items()))
-        idle = sweep.get("gpu_idle_s_by_phase") or {}
+        idle = tl.get("gpu_idle_s_by_phase") or {}
         print(f"GPU idle (s, {sum(idle.values()):.1f} in all):", ", ".join(f"{k} {v:.1f}" for k, v in idle.items()))
         mid = [c for c in tl.get("triton_compiles", []) if c["train_step"] is not None]
         where = "".join(f"; {c['kernel']} {c['seconds']:.2f} s at step {c['train_step']}" for c in mid[:6])

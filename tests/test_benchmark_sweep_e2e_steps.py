@@ -84,18 +84,18 @@ def test_gpu_utilisation_inside_spans_counts_each_sample_once():
 
 
 def test_the_gpu_s_idle_seconds_go_to_the_worker_phase_they_fell_in():
-    from sweep_e2e import gpu_idle_by_phase
+    from sweep_e2e import summarize_timeline
 
     events = [train(1.0), train(2.0)]  # steps at 1.0-1.5 and 2.0-2.5; the loop between them
     events += [{"phase": "evaluate", "start": 3.0, "end": 4.0, "thread": "plora-cuda:0"}]
     events += [{"phase": "export", "start": 3.0, "end": 3.5, "thread": "plora-cuda:0-finishing"}]  # beside it
     samples = [(0.0, 0, 0.0), (1.0, 100, 9.0), (1.25, 50, 9.0), (1.5, 0, 9.0), (3.0, 20, 9.0), (5.0, 0, 9.0)]
-    idle = gpu_idle_by_phase(events, start=0.0, end=5.0, samples=samples)
+    idle = summarize_timeline(events, start=0.0, end=5.0, samples=samples)["gpu_idle_s_by_phase"]
     # start-up 0-1 s idle; the steps: 0.25 s at half busy, the second at 0% from the 1.5 s sample; the loop
     # 1.5-2 and 2.5-3 idle; evaluation at 20% busy; the finishing thread's export is no phase of the worker's
     assert idle == {"train": 0.62, "startup": 1.0, "loop": 1.0, "evaluate": 0.8, "shutdown": 0.8}
     assert list(idle) == sorted(idle, key=idle.get, reverse=True)
-    assert gpu_idle_by_phase(events, 0.0, 5.0, samples[:1]) == {}  # too few samples to say
+    assert summarize_timeline(events, 0.0, 5.0, samples[:1])["gpu_idle_s_by_phase"] == {}  # too few to say
 
 
 def test_a_package_without_bytecode_on_pythonpath_gets_it(tmp_path, monkeypatch):
