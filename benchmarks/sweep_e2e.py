@@ -521,8 +521,8 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
             compiles.append({"kernel": e.get("kernel"), "at_s": round(e["start"] - start, 3),
                              "seconds": round(e["end"] - e["start"], 3), "train_step": step})  # fmt: skip
 
-    def inside(step: dict, spans: list[dict]) -> float:  # seconds inside a step with any of ``spans`` running
-        cuts = sorted((max(e["start"], step["start"]), min(e["end"], step["end"])) for e in spans)
+    def inside(step: dict, phases: list[dict]) -> float:  # seconds inside a step with any of ``phases`` running
+        cuts = sorted((max(e["start"], step["start"]), min(e["end"], step["end"])) for e in phases)
         seconds, reached = 0.0, step["start"]
         for a, b in cuts:  # overlapping spans (threads at once) count once
             seconds += max(0.0, b - max(a, reached))
