@@ -295,8 +295,13 @@ def freeze_loaded() -> None:
 
     Those objects live as long as the process, and there are hundreds of thousands of them: a full
     collection would scan them all, every time, holding every thread meanwhile (a training step it
-    lands in launches nothing). Objects made from now on are collected as before."""
+    lands in launches nothing). Objects made from now on are collected as before.
+
+    One full collection comes first: the cycles start-up left unreachable while the collector was
+    paused (or a caller's process left before the sweep began) would otherwise be frozen with the
+    rest and never freed, and the device memory they hold would be gone from every pack."""
     with phase("freeze") as details:
+        details["garbage"] = gc.collect()
         gc.freeze()
         gc.enable()
         details["objects"] = gc.get_freeze_count()
@@ -390,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
             gc.unfreeze()
         if collecting:
             gc.enable()
+        else:
+            gc.disable()
 
 
 def _command(argv: list[str] | None) -> int:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import math
 import statistics
@@ -918,6 +919,7 @@ class _Pack:
         # the pack needed more than this process could hold: scale predictions up to at least that
         usable = usable_memory_bytes(worker.device, worker.gpu.memory_bytes)
         worker.memory_correction = max(worker.memory_correction, 1.05 * usable / predicted)
+        gc.collect()  # the failed step's tensors that only reference cycles still hold: back before the split
         if worker.device.type == "cuda":
             torch.cuda.empty_cache()
         if len(ids) == 1:

@@ -69,8 +69,10 @@ def finished_sweep(tmp_path_factory):
 
 def test_the_sweep_freezes_what_it_loaded_before_its_first_pack(tmp_path, monkeypatch):
     """What start-up loaded leaves the garbage collector's full scans: after the stores open,
-    before any training step."""
+    before any training step. Garbage is collected, not frozen: a cycle the caller's process left
+    unreachable before the sweep (here, holding a tensor, as a deleted model would) is freed."""
     import gc
+    import weakref
 
     from plora_hpo.timeline import ENV
 
@@ -79,15 +81,26 @@ def test_the_sweep_freezes_what_it_loaded_before_its_first_pack(tmp_path, monkey
     sweep_file = small_sweep(tmp_path, n_trials=2, budget={"steps": 2}, pack={"size": 2, "gather_seconds": 1})
     callbacks = list(gc.callbacks)
     assert gc.get_freeze_count() == 0 and gc.isenabled()
-    assert main(["sweep", str(sweep_file), "--run-dir", str(tmp_path / "runs")]) == 0
-    # a caller's own process gets its collector back: running, nothing frozen, no callback left behind
-    assert gc.get_freeze_count() == 0 and gc.isenabled() and gc.callbacks == callbacks
+    gc.disable()  # until the sweep runs, nothing collects the cycle below
+    try:
+        cycle: dict = {"weights": torch.zeros(1 << 16)}
+        cycle["self"] = cycle
+        weights = weakref.ref(cycle["weights"])
+        del cycle
+        assert weights() is not None  # only a collection frees it
+        assert main(["sweep", str(sweep_file), "--run-dir", str(tmp_path / "runs")]) == 0
+        assert weights() is None
+        # a caller's own process gets its collector back as it was: paused, nothing frozen, its callbacks
+        assert gc.get_freeze_count() == 0 and not gc.isenabled() and gc.callbacks == callbacks
+    finally:
+        gc.enable()
     rows = [json.loads(line) for line in timeline.read_text().splitlines()]
     first = {}
     for r in sorted(rows, key=lambda r: r["start"]):
         first.setdefault(r["phase"], r)
     assert first["open-stores"]["end"] <= first["freeze"]["start"] <= first["freeze"]["end"] <= first["train"]["start"]
     assert first["freeze"]["objects"] > 100_000  # the modules, model and data loaded by then
+    assert first["freeze"]["garbage"] > 0  # the cycle above, at least
     steps = [r for r in rows if r["phase"] == "train"]
     assert steps and all(r["padded_tokens"] > 0 for r in steps)  # each step's size, for slow steps
 
