@@ -32,7 +32,8 @@ LIVE_SHARE = 0.01
 """The largest share of a process's time that delivering live loss curves may take. Delivery is
 Python on the process's own interpreter, and the training loop waits for the interpreter lock
 while it runs; a live update that would exceed this share is skipped (a later one, or the run's
-last report, logs the steps it held)."""
+last report, logs the steps it held). A trial's curve at the end of its training is sent whatever
+the share: the run's last report would log those rows anyway, later."""
 
 
 class TrialRecord(Protocol):
@@ -101,6 +102,11 @@ class TrialReporter(Protocol):
         """The trial's curve so far, while it trains (steps already reported are not repeated)."""
         ...
 
+    def trial_trained(self, record: TrialRecord) -> None:
+        """Its training ended and its scoring comes next: the whole curve may go out now, beside
+        the scoring, instead of with the run's last report after it."""
+        ...
+
     def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None: ...
 
     def trial_failed(self, record: TrialRecord, pack_id: str, reason: str) -> None: ...
@@ -148,6 +154,9 @@ class NullReporter(_SegmentLog):
     def trial_progress(self, record: TrialRecord) -> None:
         pass
 
+    def trial_trained(self, record: TrialRecord) -> None:
+        pass
+
     def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None:
         pass
 
@@ -187,6 +196,7 @@ class MlflowReporter(_SegmentLog):
         self._logged: dict[str, dict[str, int]] = {}  # per run: the last step already logged per metric
         # live curves go out on a thread of their own: the training loop hands them over and goes on
         self._live: dict[str, list[tuple[int, float, float]]] = {}  # run id -> its latest undelivered curve
+        self._whole: set[str] = set()  # runs whose queued curve is their trained one: sent whatever the share
         self._live_sending: str | None = None
         self._live_closed = False
         self._live_changed = threading.Condition()
@@ -211,21 +221,32 @@ class MlflowReporter(_SegmentLog):
         if done:
             with self._live_changed:
                 self._live.pop(run_id, None)
+                self._whole.discard(run_id)
                 while self._live_sending == run_id:
                     self._live_changed.wait()
         with self._lock:
-            logged = self._logged.pop(run_id, {}) if done else self._logged.setdefault(run_id, {})
+            logged = self._logged.pop(run_id, {}) if done else self._logged.get(run_id, {})
             new = [r for r in rows if r[0] not in logged or r[2] > logged[r[0]]]
-            if not done:
+        self.tracker.log_metrics(run_id, new)
+        if not done:  # only rows the store took: a rejected live curve is the last report's to log
+            with self._lock:
+                logged = self._logged.setdefault(run_id, {})
                 for key, _, step in new:
                     logged[key] = max(step, logged.get(key, step))
-        self.tracker.log_metrics(run_id, new)
 
     def trial_progress(self, record: TrialRecord) -> None:
         with self._live_changed:
             if record.run_id not in self._live and not self._live_pacer.affordable(1):
                 return  # replacing a waiting curve costs nothing; sending one more would
             self._live[record.run_id] = list(record.curve)  # replaces an older curve not yet sent
+            self._live_changed.notify_all()
+
+    def trial_trained(self, record: TrialRecord) -> None:
+        """Queued for the live thread outside the share: the run's last report would log these rows
+        anyway, after the scoring; sent now, they overlap it."""
+        with self._live_changed:
+            self._live[record.run_id] = list(record.curve)
+            self._whole.add(record.run_id)
             self._live_changed.notify_all()
 
     def _deliver_live(self) -> None:
@@ -237,6 +258,8 @@ class MlflowReporter(_SegmentLog):
                     return
                 run_id = next(iter(self._live))
                 curve = self._live.pop(run_id)
+                paced = run_id not in self._whole
+                self._whole.discard(run_id)
                 self._live_sending = run_id
             started = self._clock()
             try:
@@ -246,7 +269,8 @@ class MlflowReporter(_SegmentLog):
                 log.warning("the live loss curve of MLflow run %s was not logged: %s", run_id, first_line(err))
             finally:
                 with self._live_changed:
-                    self._live_pacer.record(1, self._clock() - started)
+                    if paced:
+                        self._live_pacer.record(1, self._clock() - started)
                     self._live_sending = None
                     self._live_changed.notify_all()
 

@@ -744,6 +744,7 @@ class _Pack:
         if done:
             for adapter_id in done:
                 self.stop_training(adapter_id)
+                self.reporter.trial_trained(self.slots[adapter_id])  # its curve goes out while it is scored
             self._evaluate_finished(done)
 
     def _report_progress(self) -> None:

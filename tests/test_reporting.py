@@ -158,3 +158,63 @@ def test_live_curves_keep_to_their_share_of_the_process_time(tmp_path: Path, clo
     reporter.close()
     tracker.finish()
     assert steps() == [1, 2, 3, 4]
+
+
+def test_a_trained_curve_goes_out_beside_its_scoring_whatever_the_share(tmp_path: Path, clock):
+    """Once the live curves have used their share, a trial's curve at the end of its training still
+    goes out on the live thread (the run's last report would log it anyway, after the scoring); it
+    is not charged to the share, and the last report adds only what came after it."""
+    tracker, reporter, record, client = _one_trial(tmp_path, clock=clock)
+    log_metrics, sent = tracker.log_metrics, []
+
+    def slow_store(run_id, rows):  # each call takes a second of the reporter's clock
+        sent.append((threading.current_thread().name, sorted({key for key, _, _ in rows})))
+        clock.now += 1.0
+        log_metrics(run_id, rows)
+
+    tracker.log_metrics = slow_store
+    record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2)]
+    reporter.trial_progress(record)
+    reporter.flush()
+    record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (3, 4)]
+    reporter.trial_progress(record)  # 2 s of 2 s: over the share, skipped
+    reporter.flush()
+    assert len(sent) == 1
+
+    reporter.trial_trained(record)
+    reporter.flush()
+    assert [m.step for m in client.get_metric_history(record.run_id, "train_loss")] == [1, 2, 3, 4]
+    assert sent[1] == ("mlflow-live-curves", ["learning_rate", "train_loss"])
+    clock.now = 2.0 / LIVE_SHARE + 1.0  # 2 s of 201 s: within the share only if the trained curve was not charged
+    other = _Record(record.request, reporter.trial_started(record.request, None, "pack-0"))
+    other.curve.append((1, 3.0, 2e-4))
+    reporter.trial_progress(other)
+    reporter.flush()
+    assert len(sent) == 3 and sent[2][0] == "mlflow-live-curves"
+
+    reporter.trial_completed(record, "pack-0", {"acc,none": 0.5}, _adapter(tmp_path), PackStats())
+    assert sent[3] == ("MainThread", ["acc", "pack_peak_memory_gib", "pack_tokens_per_second"])  # no curve rows
+    reporter.close()
+    tracker.finish()
+
+
+def test_a_live_curve_the_store_rejects_is_logged_by_the_run_s_last_report(tmp_path: Path):
+    tracker, reporter, record, client = _one_trial(tmp_path)
+    log_metrics, rejected = tracker.log_metrics, []
+
+    def rejecting_store(run_id, rows):  # the fault: the store rejects the first live curve
+        if threading.current_thread().name == "mlflow-live-curves" and not rejected:
+            rejected.append(len(rows))
+            raise RuntimeError("rejected (injected)")
+        log_metrics(run_id, rows)
+
+    tracker.log_metrics = rejecting_store
+    record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2, 3)]
+    reporter.trial_progress(record)
+    reporter.flush()
+    assert rejected == [6]
+    reporter.trial_completed(record, "pack-0", {"acc,none": 0.5}, _adapter(tmp_path), PackStats())
+    reporter.close()
+    tracker.finish()
+    tracker.flush()
+    assert [m.step for m in client.get_metric_history(record.run_id, "train_loss")] == [1, 2, 3]

@@ -215,6 +215,42 @@ def test_the_pack_trains_on_while_its_finished_trials_are_recorded(tmp_path, mon
         assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
 
 
+def test_a_finished_trial_s_curve_reaches_mlflow_while_it_is_scored(tmp_path):
+    """The curve's last steps go out as the scoring starts, beside it, not after it with the
+    run's last report: the scorer waits here until MLflow holds every step of each trial it scores."""
+    steps = 4
+    pack = {"size": 2, "gather_seconds": 10}
+    sweep, study, tracker = open_sweep(tmp_path, "curves", budget={"steps": steps}, pack=pack)
+    client, seen = MlflowClient(tracker.tracking_uri), []
+    for device_worker in sweep.workers:
+        real_score = device_worker.score
+
+        def score(packed, adapter_ids, task, limit, real_score=real_score):
+            experiments = [e.experiment_id for e in client.search_experiments()]
+            for adapter_id in adapter_ids:
+                (run,) = client.search_runs(experiments, filter_string=f"attributes.run_name = '{adapter_id}'")
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    logged = [m.step for m in client.get_metric_history(run.info.run_id, "train_loss")]
+                    if len(logged) == steps:
+                        break
+                    time.sleep(0.05)
+                seen.append(logged)
+            return real_score(packed, adapter_ids, task, limit)
+
+        device_worker.score = score
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=2, n_jobs=2)
+    finally:
+        sweep.close()
+
+    assert seen == [list(range(1, steps + 1))] * 2
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    for t in study.trials:  # and each step once
+        history = client.get_metric_history(t.user_attrs["mlflow_run_id"], "train_loss")
+        assert [m.step for m in history] == list(range(1, steps + 1))
+
+
 def test_a_checkpoint_that_finds_the_writer_s_queue_full_waits_for_a_later_step(tmp_path, monkeypatch):
     """A slow disk holds the first save's write; the second adapter's save, due at the same step,
     does not fit in the writer's queue. The pack trains on, and that save copies the adapter at
