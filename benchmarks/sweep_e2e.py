@@ -479,11 +479,44 @@ def gpu_idle_by_phase(spans: list[tuple[float, float, str]], samples: list[tuple
     return {k: round(v, 2) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}
 
 
+TAIL_THREADS = (  # (who, whether a thread name is theirs), in the order the tail is printed
+    ("worker", lambda name: name.startswith("plora-") and not name.endswith(("-checkpoints", "-finishing"))),
+    ("finishing thread", lambda name: name.endswith("-finishing")),
+    ("checkpoint writer", lambda name: name.endswith("-checkpoints")),
+    ("live curves", lambda name: name == "mlflow-live-curves"),
+    ("main", lambda name: name == "MainThread"),
+)
+
+
+def summarize_tail(events: list[dict], end: float) -> dict:
+    """From the end of the last training step to the sweep's end: when each thread's last phase
+    ended and the seconds it spent in each phase meanwhile (its share after the step only). The
+    thread that ends last before the exit is the tail's critical path."""
+    steps = [e["end"] for e in events if e["phase"] == "train"]
+    if not steps:
+        return {}
+    last = max(steps)
+    threads = {}
+    for who, theirs in TAIL_THREADS:
+        after = [e for e in events if theirs(e["thread"]) and e["end"] > last]
+        if not after:
+            continue
+        phases: dict[str, float] = {}
+        for e in after:
+            phases[e["phase"]] = phases.get(e["phase"], 0.0) + e["end"] - max(e["start"], last)
+        threads[who] = {
+            "ends_s": round(max(e["end"] for e in after) - last, 3),
+            "phases_s": {k: round(v, 3) for k, v in sorted(phases.items(), key=lambda kv: -kv[1])},
+        }
+    return {"after_last_step_s": round(end - last, 3), "threads": threads}
+
+
 def summarize_timeline(events: list[dict], start: float, end: float, samples: list[tuple] = ()) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown;
     with the GPU sampler's ``samples``, the GPU's idle seconds in each (:func:`gpu_idle_by_phase`)."""
     from plora_hpo.cli import EXIT_PHASE
 
+    tail = summarize_tail(events, end)
     collections = [e for e in events if e["phase"] == "gc"]  # on any thread: a collection holds them all
     live = [e for e in events if e["phase"] == "mlflow-live"]  # live loss curves, logged by a thread of their own
     beats = [e for e in events if e["phase"] == "heartbeat"]  # Optuna's heartbeat threads, one per trial in flight
@@ -564,6 +597,7 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
             }
             for e in exits
         ],
+        "tail": tail,
         "train_steps": len(steps),
         "step_seconds_median": median,
         "step_seconds_first": steps[0] if steps else None,
@@ -583,7 +617,9 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
         "(padded_tokens) and whether no earlier step computed as many (most_tokens_yet), and the seconds of them "
         "during which a full collection (gc_s), a live loss curve's MLflow write (mlflow_live_s) or an Optuna "
         "heartbeat (heartbeat_s) ran on any thread; exits: each plora-hpo process about to "
-        "exit, how long before the sweep's end, whether it took Python's teardown and which threads that waited for",
+        "exit, how long before the sweep's end, whether it took Python's teardown and which threads that waited for; "
+        "tail: from the end of the last training step to the sweep's end, when each thread's last phase ended "
+        "(ends_s, seconds after that step) and its seconds in each phase meanwhile",
     }
 
 
@@ -1122,6 +1158,13 @@ def print_table(result: dict) -> None:
                  f"{', teardown waiting for ' + ', '.join(x['waits_for']) if x['teardown'] else ''}"
                  for x in tl.get("exits", [])]  # fmt: skip
         print("process exits:", "; ".join(exits) or "not recorded")
+        tail = tl.get("tail") or {}
+        if tail:
+            ends = []
+            for who, t in tail["threads"].items():
+                phases = ", ".join(f"{k} {v:.1f}" for k, v in list(t["phases_s"].items())[:4])
+                ends.append(f"{who} ends {t['ends_s']:.1f} ({phases})")
+            print(f"after the last step (s, {tail['after_last_step_s']:.1f} to the end):", "; ".join(ends))
     again = result.get("sweep_again")
     if again:
         seconds = (again.get("timeline") or {}).get("seconds", {})

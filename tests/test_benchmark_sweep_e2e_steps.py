@@ -1,6 +1,6 @@
 """benchmarks/sweep_e2e.py's engine_only stage finds the sweep's biggest pack and its steps on the timeline;
 its GPU sampler averages the samples inside given spans, and the GPU's idle seconds go to the worker
-phase they fell in; it writes the bytecode a package on
+phase they fell in; the tail after the last step says when each thread ended; it writes the bytecode a package on
 PYTHONPATH lacks before anything is timed."""
 
 from __future__ import annotations
@@ -72,6 +72,35 @@ def test_slow_steps_say_what_slowed_them():
         {"train_step": 3, "seconds": 1.2, "alloc_retries": 2, "padded_tokens": 1400, "most_tokens_yet": False,
          "compiled": [], "gc_s": 0.6, "mlflow_live_s": 0.0, "heartbeat_s": 0.5},
     ]  # fmt: skip
+
+
+def test_the_tail_says_when_each_thread_ended_after_the_last_step():
+    from sweep_e2e import summarize_timeline
+
+    def event(phase, start, end, thread):
+        return {"phase": phase, "start": start, "end": end, "thread": thread}
+
+    events = [train(1.0), train(9.5)]  # the last step ends at 10
+    events += [
+        event("evaluate", 10.0, 12.0, "plora-cuda:0"),
+        event("export", 12.0, 12.5, "plora-cuda:0"),
+        event("checkpoint-write", 9.0, 11.0, "plora-cuda:0-checkpoints"),  # counts from the step's end
+        event("checkpoint-write", 13.0, 16.5, "plora-cuda:0-checkpoints"),
+        event("export", 12.5, 13.0, "plora-cuda:0-finishing"),
+        event("mlflow", 13.0, 16.0, "plora-cuda:0-finishing"),
+        event("mlflow-live", 10.0, 11.5, "mlflow-live-curves"),
+        event("heartbeat", 12.0, 12.1, "Thread-3 (_record_heartbeat)"),
+        event("close", 16.5, 17.0, "MainThread"),
+    ]
+    tail = summarize_timeline(events, start=0.0, end=18.0)["tail"]
+    assert tail["after_last_step_s"] == 8.0
+    assert tail["threads"] == {
+        "worker": {"ends_s": 2.5, "phases_s": {"evaluate": 2.0, "export": 0.5}},
+        "finishing thread": {"ends_s": 6.0, "phases_s": {"mlflow": 3.0, "export": 0.5}},
+        "checkpoint writer": {"ends_s": 6.5, "phases_s": {"checkpoint-write": 4.5}},
+        "live curves": {"ends_s": 1.5, "phases_s": {"mlflow-live": 1.5}},
+        "main": {"ends_s": 7.0, "phases_s": {"close": 0.5}},
+    }
 
 
 def test_gpu_utilisation_inside_spans_counts_each_sample_once():
