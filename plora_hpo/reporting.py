@@ -195,8 +195,8 @@ class MlflowReporter(_SegmentLog):
         self.primary_metric = primary_metric or _builtin_primary
         self._logged: dict[str, dict[str, int]] = {}  # per run: the last step already logged per metric
         # live curves go out on a thread of their own: the training loop hands them over and goes on
-        self._live: dict[str, list[tuple[int, float, float]]] = {}  # run id -> its latest undelivered curve
-        self._whole: set[str] = set()  # runs whose queued curve is their trained one: sent whatever the share
+        # run id -> its latest undelivered curve, and whether sending it counts against the share
+        self._live: dict[str, tuple[list[tuple[int, float, float]], bool]] = {}
         self._live_sending: str | None = None
         self._live_closed = False
         self._live_changed = threading.Condition()
@@ -221,7 +221,6 @@ class MlflowReporter(_SegmentLog):
         if done:
             with self._live_changed:
                 self._live.pop(run_id, None)
-                self._whole.discard(run_id)
                 while self._live_sending == run_id:
                     self._live_changed.wait()
         with self._lock:
@@ -238,15 +237,14 @@ class MlflowReporter(_SegmentLog):
         with self._live_changed:
             if record.run_id not in self._live and not self._live_pacer.affordable(1):
                 return  # replacing a waiting curve costs nothing; sending one more would
-            self._live[record.run_id] = list(record.curve)  # replaces an older curve not yet sent
+            self._live[record.run_id] = (list(record.curve), True)  # replaces an older curve not yet sent
             self._live_changed.notify_all()
 
     def trial_trained(self, record: TrialRecord) -> None:
         """Queued for the live thread outside the share: the run's last report would log these rows
         anyway, after the scoring; sent now, they overlap it."""
         with self._live_changed:
-            self._live[record.run_id] = list(record.curve)
-            self._whole.add(record.run_id)
+            self._live[record.run_id] = (list(record.curve), False)
             self._live_changed.notify_all()
 
     def _deliver_live(self) -> None:
@@ -257,9 +255,7 @@ class MlflowReporter(_SegmentLog):
                 if not self._live:
                     return
                 run_id = next(iter(self._live))
-                curve = self._live.pop(run_id)
-                paced = run_id not in self._whole
-                self._whole.discard(run_id)
+                curve, paced = self._live.pop(run_id)
                 self._live_sending = run_id
             started = self._clock()
             try:

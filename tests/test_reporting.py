@@ -177,7 +177,7 @@ def test_a_trained_curve_goes_out_beside_its_scoring_whatever_the_share(tmp_path
     reporter.trial_progress(record)
     reporter.flush()
     record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (3, 4)]
-    reporter.trial_progress(record)  # 2 s of 2 s: over the share, skipped
+    reporter.trial_progress(record)  # the first second went to sending: one more is over the share, skipped
     reporter.flush()
     assert len(sent) == 1
 
