@@ -53,8 +53,8 @@ def host_copies(tensors: Mapping[K, torch.Tensor], *, shared: bool = False) -> d
     """Host copies of ``tensors`` (same keys, shapes and dtypes), safe to read when this returns.
 
     With ``shared``, the copies of device tensors of one dtype share one page-locked buffer: for a
-    caller that keeps them together or pickles them (``torch.save`` writes a shared buffer once;
-    safetensors refuses tensors that share memory).
+    caller that keeps them together (``torch.save`` writes a shared buffer once; safetensors writes
+    views that do not overlap as tensors of their own).
     """
     on_device = {k: t.detach() for k, t in tensors.items() if t.device.type == "cuda"}
     copies = dict(zip(on_device, _page_locked(list(on_device.values()), shared)))

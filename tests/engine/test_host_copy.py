@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from plora_hpo.engine.host_copy import host_copies, queue_host_copies
 
@@ -71,6 +72,8 @@ def test_shared_copies_are_views_of_one_buffer_per_dtype_and_save_it_once(tmp_pa
     assert (tmp_path / "state.pt").stat().st_size < fp32_bytes + bf16_bytes + 8192  # each buffer once
     loaded = torch.load(tmp_path / "state.pt")
     assert all(torch.equal(loaded[k], copies[k]) for k in copies)
+    save_file(copies, tmp_path / "adapter.safetensors")  # views of one buffer that do not overlap: accepted
+    assert all(torch.equal(t, copies[k]) for k, t in load_file(tmp_path / "adapter.safetensors").items())
 
 
 @pytest.mark.gpu
