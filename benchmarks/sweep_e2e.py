@@ -109,6 +109,7 @@ COLORS = {
     "export": "#f08c00",
     "checkpoint": "#e8590c",
     "checkpoint-write": "#ffa94d",
+    "checkpoint-delete": "#ffd8a8",
     "join": "#0ca678",
     "mlflow": "#9c36b5",
     "planner": "#c2255c",
@@ -479,10 +480,21 @@ def gpu_idle_by_phase(spans: list[tuple[float, float, str]], samples: list[tuple
     return {k: round(v, 2) for k, v in sorted(idle.items(), key=lambda kv: -kv[1])}
 
 
+def is_worker_thread(name: str) -> bool:
+    """A device's training loop (``plora-<device>``), not one of its background threads."""
+    return name.startswith("plora-") and not name.endswith(("-checkpoints", "-finishing")) and not is_deleter(name)
+
+
+def is_deleter(name: str) -> bool:
+    """One of a device's checkpoint-removal threads (``plora-<device>-checkpoint-deletes_<i>``)."""
+    return "-checkpoint-deletes_" in name
+
+
 TAIL_THREADS = (  # (who, whether a thread name is theirs), in the order the tail is printed
-    ("worker", lambda name: name.startswith("plora-") and not name.endswith(("-checkpoints", "-finishing"))),
+    ("worker", is_worker_thread),
     ("finishing thread", lambda name: name.endswith("-finishing")),
     ("checkpoint writer", lambda name: name.endswith("-checkpoints")),
+    ("checkpoint deletes", is_deleter),
     ("live curves", lambda name: name == "mlflow-live-curves"),
     ("main", lambda name: name == "MainThread"),
 )
@@ -521,11 +533,11 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
     live = [e for e in events if e["phase"] == "mlflow-live"]  # live loss curves, logged by a thread of their own
     beats = [e for e in events if e["phase"] == "heartbeat"]  # Optuna's heartbeat threads, one per trial in flight
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
+    deletes = [e for e in events if is_deleter(e["thread"]) and e["phase"] == "checkpoint-delete"]
     finishing = [e for e in events if e["thread"].endswith("-finishing")]
     exits = [e for e in events if e["phase"] == EXIT_PHASE]
     loading = [e for e in events if e["thread"] == "MainThread" and e["phase"] != EXIT_PHASE]  # processes' own
-    aside = ("-checkpoints", "-finishing")  # the worker's background threads
-    events = [e for e in events if e["thread"].startswith("plora-") and not e["thread"].endswith(aside)]
+    events = [e for e in events if is_worker_thread(e["thread"])]
     if not events:
         return {"note": "no timeline events (PLORA_HPO_TIMELINE not honoured?)"}
     seconds: dict[str, float] = {}
@@ -585,6 +597,8 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
         "gpu_idle_s_by_phase": gpu_idle_by_phase(spans, samples),
         "background_checkpoint_write_s": round(sum(e["end"] - e["start"] for e in background), 3),
         "background_checkpoint_writes": len(background),
+        "background_checkpoint_delete_s": round(sum(e["end"] - e["start"] for e in deletes), 3),
+        "background_checkpoint_deletes": len(deletes),
         "background_finishing": totals(finishing),
         "triton_compiles": compiles,
         "slow_steps": slow,
@@ -608,7 +622,9 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
         "worker's first phase (closing); "
         "'shutdown' = the worker's last phase to process exit; gpu_idle_s_by_phase: the GPU's idle seconds inside "
         "each of those (NVML samples, each held until the next); background_checkpoint_write_s: the checkpoint "
-        "writer thread's torch.save time, overlapping the worker's phases; background_finishing: the finishing "
+        "writer thread's torch.save time, overlapping the worker's phases; background_checkpoint_delete_s: the "
+        "removals of finished trials' checkpoints, summed over the threads that run them side by side; "
+        "background_finishing: the finishing "
         "thread's phases (finished adapters' files, MLflow runs, results), overlapping the worker's; 'finishing' "
         "on the worker: waiting for them at a pack's end; triton_compiles: Triton kernel variants compiled on the "
         "worker's thread (not those of the compile pass, compiled on a pool), with the training step (0-based) they "
@@ -1035,7 +1051,7 @@ def plot(result: dict, path: Path) -> None:
         return e["phase"] + (own_row if e["thread"].endswith("-finishing") else "")
 
     rows = {row(e) for e in events}
-    names = [p for p in [*PHASES, "checkpoint-write", "leave", "progress"] if p in rows]
+    names = [p for p in [*PHASES, "checkpoint-write", "checkpoint-delete", "leave", "progress"] if p in rows]
     names += [p + own_row for p in PHASES if p + own_row in rows]
     for i, name in enumerate(names):
         spans = [(e["start"] - start, e["end"] - e["start"]) for e in events if row(e) == name]

@@ -86,21 +86,27 @@ def test_the_tail_says_when_each_thread_ended_after_the_last_step():
         event("export", 12.0, 12.5, "plora-cuda:0"),
         event("checkpoint-write", 9.0, 11.0, "plora-cuda:0-checkpoints"),  # counts from the step's end
         event("checkpoint-write", 13.0, 16.5, "plora-cuda:0-checkpoints"),
+        event("checkpoint-delete", 13.0, 14.0, "plora-cuda:0-checkpoint-deletes_0"),  # two side by side
+        event("checkpoint-delete", 13.5, 15.0, "plora-cuda:0-checkpoint-deletes_1"),
         event("export", 12.5, 13.0, "plora-cuda:0-finishing"),
         event("mlflow", 13.0, 16.0, "plora-cuda:0-finishing"),
         event("mlflow-live", 10.0, 11.5, "mlflow-live-curves"),
         event("heartbeat", 12.0, 12.1, "Thread-3 (_record_heartbeat)"),
         event("close", 16.5, 17.0, "MainThread"),
     ]
-    tail = summarize_timeline(events, start=0.0, end=18.0)["tail"]
+    timeline = summarize_timeline(events, start=0.0, end=18.0)
+    tail = timeline["tail"]
     assert tail["after_last_step_s"] == 8.0
     assert tail["threads"] == {
         "worker": {"ends_s": 2.5, "phases_s": {"evaluate": 2.0, "export": 0.5}},
         "finishing thread": {"ends_s": 6.0, "phases_s": {"mlflow": 3.0, "export": 0.5}},
         "checkpoint writer": {"ends_s": 6.5, "phases_s": {"checkpoint-write": 4.5}},
+        "checkpoint deletes": {"ends_s": 5.0, "phases_s": {"checkpoint-delete": 2.5}},
         "live curves": {"ends_s": 1.5, "phases_s": {"mlflow-live": 1.5}},
         "main": {"ends_s": 7.0, "phases_s": {"close": 0.5}},
     }
+    assert "checkpoint-delete" not in timeline["seconds"]  # the removal threads are not the worker's
+    assert (timeline["background_checkpoint_delete_s"], timeline["background_checkpoint_deletes"]) == (2.5, 2)
 
 
 def test_gpu_utilisation_inside_spans_counts_each_sample_once():

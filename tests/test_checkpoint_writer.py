@@ -1,4 +1,5 @@
-"""CheckpointWriter: checkpoint saves and deletes off the training loop, in order, with failures raised back."""
+"""CheckpointWriter: checkpoint saves and deletes off the training loop, in order, with failures raised back;
+removals side by side."""
 
 from __future__ import annotations
 
@@ -116,7 +117,67 @@ def test_writes_show_on_the_timeline_as_the_writer_thread_s_own_phase(tmp_path, 
     writer.delete(store, 0)
     writer.flush()
     rows = [json.loads(line) for line in timeline.read_text().splitlines()]
-    assert [(r["phase"], r["thread"]) for r in rows] == [("checkpoint-write", "plora-cpu-checkpoints")] * 2
+    assert [(r["phase"], r["thread"]) for r in rows] == [
+        ("checkpoint-write", "plora-cpu-checkpoints"),
+        ("checkpoint-delete", "plora-cpu-checkpoint-deletes_0"),
+    ]
+
+
+class SlowRemovals(CheckpointStore):
+    """A real store whose removals wait: for each other (``together`` at once), or for a gate."""
+
+    def __init__(self, directory, together=1):
+        super().__init__(directory)
+        self.together = threading.Barrier(together, timeout=5)
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def delete(self, lineage):
+        self.together.wait()  # broken (and raised) unless that many removals run at once
+        self.gate.wait(10)
+        super().delete(lineage)
+
+
+def test_removals_run_side_by_side(tmp_path):
+    store = SlowRemovals(tmp_path, together=3)
+    writer = CheckpointWriter("test")
+    for lineage in (1, 2, 3):
+        writer.save(store, lineage, state(lineage), {})
+    for lineage in (1, 2, 3):
+        writer.delete(store, lineage)
+    writer.flush()  # one after the other, the first removal would wait for the others in vain
+    assert not any(tmp_path.glob("t*.pt"))
+
+
+def test_a_save_after_a_removal_of_its_lineage_waits_for_it(tmp_path):
+    store = SlowRemovals(tmp_path)
+    writer = CheckpointWriter("test")
+    writer.save(store, 1, state(2), {})
+    writer.flush()
+    store.gate.clear()
+    writer.delete(store, 1)
+    writer.save(store, 1, state(6), {})  # the lineage again (a retry): written after the file is gone
+    writer.save(store, 2, state(4), {})
+    threading.Event().wait(0.3)
+    assert store.load(1)[0].steps_done == 2 and not store.path(2).exists()  # both wait behind the removal
+    store.gate.set()
+    writer.flush()
+    assert store.load(1)[0].steps_done == 6 and store.load(2)[0].steps_done == 4
+
+
+def test_a_failed_removal_is_raised_by_flush_once(tmp_path):
+    class Refusing(CheckpointStore):
+        def delete(self, lineage):
+            raise PermissionError(f"cannot remove {self.path(lineage)} (injected)")
+
+    store = Refusing(tmp_path)
+    writer = CheckpointWriter("test")
+    writer.save(store, 1, state(3), {})
+    writer.delete(store, 1)
+    with pytest.raises(PermissionError, match="injected"):
+        writer.flush()
+    writer.flush()
+    assert store.load(1)[0].steps_done == 3
 
 
 def test_a_written_state_is_let_go_at_once(tmp_path):
