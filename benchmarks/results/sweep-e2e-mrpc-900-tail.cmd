@@ -1,0 +1,19 @@
+# The device calls that wrote sweep-e2e-mrpc-900-tail-h100.json, sweep-e2e-mrpc-900-tail-h200.json and
+# sweep-e2e-mrpc-900-tail-warm-h200.json (2026-12-06; the tree of commit a9922ff, with benchmarks/results/quality-*.json
+# and sweep-e2e-*.json set aside to keep the tree under the device's limit). Each ran from the repository root with
+# .whl and .device_data/mrpc carried.
+#
+# On one H100 machine (kind nvidia-h200, which gave an H100). The first call installed the wheels and stopped at once:
+# its name expression also matched the "H" of "HBM3", and sweep_e2e.py refused the extra argument.
+# 1 (install; no sweep ran)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1; export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import safetensors; print('safetensors', safetensors.__version__)"; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]*' | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 900 --engine-steps 0 --sequential 0 --colocated-k 0 --budget-s 520 --sweep-timeout-s 480 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-900-tail-$G --out $OUT 2>&1 | tail -30
+# 2 -> sweep-e2e-mrpc-900-tail-h100.json
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 900 --engine-steps 0 --sequential 0 --colocated-k 0 --budget-s 560 --sweep-timeout-s 540 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-900-tail-$G --out $OUT 2>&1 | tail -30
+#
+# Then on a fresh H200 machine (kind nvidia-h200 with needs_h200: a pack of 32 at this shape peaks near 137 GiB).
+# 3 -> sweep-e2e-mrpc-900-tail-h200.json (the machine's first sweep)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1; export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 900 --engine-steps 0 --sequential 0 --colocated-k 0 --budget-s 520 --sweep-timeout-s 480 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-900-tail-$G --out $OUT 2>&1 | tail -22
+# 4 -> sweep-e2e-mrpc-900-tail-warm-h200.json (warm: the bytecode and Triton kernels the first left)
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --bytecode as-is --steps 900 --engine-steps 0 --sequential 0 --colocated-k 0 --budget-s 400 --sweep-timeout-s 380 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-900-tail-warm-$G --out $OUT 2>&1 | tail -16
+# 5 (no file; printed "4 passed, 10 deselected" and "9 passed")
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; python3 -m pytest -q -p no:cacheprovider -m gpu tests/engine/test_host_copy.py tests/test_checkpoint_writer.py 2>&1 | tail -4; python3 -m pytest -q -p no:cacheprovider tests/test_checkpoint_writer.py 2>&1 | tail -2
