@@ -1000,14 +1000,19 @@ class _Pack:
             self._join(ticket, state)
 
     def _fits_instead(self, ticket: TrialTicket, member: str) -> bool:
-        """Whether the waiting trial fits in the pack in ``member``'s place (the cost model's
-        answer, asked once per composition: :meth:`_rotate` asks after every step)."""
+        """Whether the waiting trial fits in the pack in ``member``'s place: the cost model predicts
+        the pack with it within the device's limit, or within what the pack holds now. A pack that
+        the model, refitted on its own peak, now puts above the limit is training all the same, so a
+        swap that holds no more than it does fits. Asked once per composition (:meth:`_rotate`
+        asks after every step)."""
         if self._unfit[0] != self._composition:
             self._unfit = (self._composition, set())
         unfit = self._unfit[1]
         if (ticket, member) not in unfit:
+            worker = self.worker
             others = [s.request.config for a, s in self.slots.items() if a != member]
-            if not self.worker.fits([*others, ticket.request.config]):
+            room = max(worker.memory_limit, worker.predicted_memory(self._configs()))
+            if worker.predicted_memory([*others, ticket.request.config]) > room:
                 unfit.add((ticket, member))
         return (ticket, member) not in unfit
 

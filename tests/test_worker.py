@@ -436,9 +436,11 @@ def test_only_a_serial_optimize_is_warned_about_not_serve_s_last_trial(tmp_path)
     assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) == 3
 
 
-def rotation_run(tmp_path, name, rotate):
+def rotation_run(tmp_path, name, rotate, shrink_after=None):
     """Five trials asked at once where three fit (memory for three): the adapters each pack step
-    held, each adapter's (step, loss) records, and each trial's value."""
+    held, each adapter's (step, loss) records, and each trial's value. ``shrink_after``: after that
+    many pack steps the cost model puts three adapters 2% above the device's limit (as once it is
+    refitted on a pack's measured peak)."""
     space = {
         "rank": {"choices": [8]},
         "alpha_multiplier": {"choices": [1]},
@@ -460,7 +462,12 @@ def rotation_run(tmp_path, name, rotate):
         return reports
 
     with pytest.MonkeyPatch.context() as patch:
-        three = property(lambda self: 1.001 * self.cost.peak_memory([one] * 3, self.degree))
+
+        def room_for_three(self):
+            shrunk = shrink_after is not None and len(held) >= shrink_after
+            return (0.98 if shrunk else 1.001) * self.cost.peak_memory([one] * 3, self.degree)
+
+        three = property(room_for_three)
         patch.setattr(worker_module.DeviceWorker, "memory_limit", three)  # a device with room for three
         patch.setattr(worker_module, "ROTATE_MIN_LEAD", 1)
         patch.setattr(worker_module, "ROTATE_ROUNDS", 4)  # a lead of 3 of the 12 steps
@@ -485,4 +492,18 @@ def test_a_full_pack_rotates_the_last_trials_instead_of_training_them_alone_afte
     for label, curve in losses.items():
         assert [s for s, _ in curve] == list(range(1, 13)), label  # every step once, in order
         assert [loss for _, loss in curve] == pytest.approx([loss for _, loss in plain_losses[label]], rel=1e-4)
+    assert values == pytest.approx(plain_values, rel=1e-4)
+
+
+def test_rotation_goes_on_when_the_running_pack_is_predicted_above_the_limit(tmp_path):
+    """A pack the refitted cost model puts above the device's limit is still training: a member
+    may give its place to a waiting trial that holds no more, rather than the waiting trials
+    training on their own after the pack."""
+    plain_held, _, plain_values = rotation_run(tmp_path, "plain", rotate=False, shrink_after=1)
+    held, losses, values = rotation_run(tmp_path, "rotated", rotate=True, shrink_after=1)
+
+    assert len(plain_held) == 24 and [len(h) for h in plain_held] == [3] * 12 + [2] * 12
+    assert len(held) < 24 and max(len(h) for h in held) == 3
+    assert sum(len(h) == 3 for h in held) > 12  # swaps went on after the limit fell under the pack
+    assert all([s for s, _ in curve] == list(range(1, 13)) for curve in losses.values()) and len(losses) == 5
     assert values == pytest.approx(plain_values, rel=1e-4)
