@@ -1,0 +1,6 @@
+# The device call that wrote sweep-e2e-mrpc-150-rotate-h100.json (2026-12-06; the tree of commit acd2b7f, with
+# benchmarks/results/quality-*.json and sweep-e2e-*.json set aside to keep the tree under the device's limit), on a
+# fresh H100 machine (kind nvidia-h100-x1), from the repository root with .whl and .device_data/mrpc carried. With
+# --bytecode as-is on a fresh machine, torch, numpy, sympy and plora_hpo had no bytecode (the JSON's "bytecode"
+# field): their imports compiled from source, which the start-up's 23.4 s includes.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1; export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 benchmarks/sweep_e2e.py --bytecode as-is --steps 150 --engine-steps 0 --sequential 0 --colocated-k 0 --budget-s 230 --sweep-timeout-s 210 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-150-rotate-h100 --out $OUT 2>&1 | tail -12
