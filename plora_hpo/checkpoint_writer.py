@@ -6,10 +6,9 @@ for a large adapter — overlaps the next steps. Saves and deletes of a lineage 
 order they were asked for, so a finished trial's delete never races its last save.
 
 A delete starts once the saves queued before it are written, on a small pool of its own: removing
-a just-written file of gigabytes drops its pages from the page cache (tenths of a second each), and
-the trials of a pack that ends together finish within a second of each other. Removals run in
-parallel with each other and with the next saves; a later save of the same lineage waits for its
-removal.
+a checkpoint file of gigabytes takes up to tenths of a second, and the trials of a pack that ends
+together finish close together. Removals run in parallel with each other and with the next saves;
+a later save of the same lineage waits for its removal.
 
 Host memory is bounded: a save waits while more than ``max_queued_bytes`` of states are queued.
 The training loop asks :meth:`~plora_hpo.job_thread.JobThread.has_room` first and takes a save
