@@ -157,6 +157,7 @@ class SweepWorker:
                 tracking_uri = self.mlflow_uri or attrs["mlflow_tracking_uri"]
                 self.tracker = SweepTracker(tracking_uri, config.name, artifact_root=run_dir)
                 self.tracker.attach(attrs["mlflow_parent_run_id"])
+                self.tracker.open_store()  # a local store's process starts while the model loads
             self.progress.note(f"{self.label}: serving study {self.study_name} from {self.storage_url}")
         self.sweep = PackedSweep(
             config.model_copy(update={"tasks": [task]}),
@@ -219,7 +220,10 @@ class SweepWorker:
                     dist.destroy_process_group()
                 self.channel = None
             if self.tracker is not None:
-                self.tracker.finish()
+                try:
+                    self.tracker.finish()
+                finally:
+                    self.tracker.close()
 
     def __enter__(self) -> SweepWorker:
         return self.open()

@@ -192,7 +192,11 @@ def _check_mlflow_uri(uri: str, run_dir: Path) -> None:
         return  # a local folder store is created on first use
     from plora_hpo.tracking import SweepTracker
 
-    SweepTracker(uri, "check").check_reachable()  # HTTP: /health, else the store's own client; reads only
+    tracker = SweepTracker(uri, "check")
+    try:
+        tracker.check_reachable()  # HTTP: /health, else the store's own client; reads only
+    finally:
+        tracker.close()
 
 
 def _check_storage(url: str, run_dir: Path) -> None:

@@ -208,6 +208,7 @@ class SweepRun:
             self.tracker = SweepTracker(
                 self.mlflow_uri or default_tracking_uri(run_dir), config.name, artifact_root=run_dir
             )
+            self.tracker.open_store()  # a local store opens in its own process while the model loads
             if not self.processes:
                 self.progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
                 self.sweep = PackedSweep(
@@ -226,6 +227,8 @@ class SweepRun:
         except BaseException:
             if self.sweep is not None:
                 self.sweep.close()
+            if self.tracker is not None:
+                self.tracker.close()
             self._release()
             if not existed:
                 shutil.rmtree(run_dir, ignore_errors=True)
@@ -383,7 +386,10 @@ class SweepRun:
                     self._record_summary()
             finally:
                 if self.tracker is not None:
-                    self.tracker.finish(status)
+                    try:
+                        self.tracker.finish(status)
+                    finally:
+                        self.tracker.close()
                 for workers in self._served:  # exiting while this process closed
                     workers.reap()
                 self._release()

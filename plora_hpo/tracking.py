@@ -22,10 +22,11 @@ again, so each call lands exactly once.
 
 from __future__ import annotations
 
-import functools
 import logging
+import threading
 import urllib.request
 from collections.abc import Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from plora_hpo._mlflow_http import BoundedClient
 from plora_hpo._mlflow_ids import LOCAL_ID_TAG, PLACEHOLDER_PREFIX, RunIds, find_by_local_id, new_placeholder
 from plora_hpo._mlflow_journal import Journal
 from plora_hpo._mlflow_ops import Op, replay
+from plora_hpo._mlflow_process import ProcessClient
 from plora_hpo._mlflow_queue import DeliveryQueue
 from plora_hpo._mlflow_resume import close_orphans, reopen
 from plora_hpo.errors import PloraError, first_line
@@ -94,6 +96,10 @@ class SweepTracker:
         self.fallback_runs = 0
         self.finish_grace_s = finish_grace_s
         self._remote = tracking_uri.startswith(("http://", "https://"))
+        self._client: MlflowClient | ProcessClient | None = None
+        self._client_lock = threading.Lock()
+        self._closed = False
+        self._opening: Future | None = None  # open_store's call, until check_reachable waits for it
         self._parent_local: str | None = None
         self._continued = False  # the parent run is an earlier process's (resume), so trial runs may exist
         self._attached = False  # the parent run is another live process's (a joined worker)
@@ -108,13 +114,38 @@ class SweepTracker:
             max_retry_interval_s=max_retry_interval_s,
         )
 
-    @functools.cached_property
-    def client(self) -> MlflowClient:
+    @property
+    def client(self) -> MlflowClient | ProcessClient:
         """Created on first use: a sqlite store is only written once the sweep is known to be valid.
 
-        Its HTTP requests give up after one short retry; the delivery queue retries instead.
+        A server's client gives up on an HTTP request after one short retry; the delivery queue
+        retries instead. Any other store (sqlite, a database, a folder) is MLflow's Python running
+        in the caller: it is served from a process of its own (``_mlflow_process``), so that
+        logging does not hold the interpreter lock the training and evaluation threads need.
         """
-        return BoundedClient(tracking_uri=self.tracking_uri)
+        with self._client_lock:
+            if self._client is None:
+                if self._closed:
+                    raise RuntimeError(f"the tracker of {self.tracking_uri} is closed")
+                uri = self.tracking_uri
+                self._client = BoundedClient(tracking_uri=uri) if self._remote else ProcessClient(uri)
+            return self._client
+
+    def open_store(self) -> None:
+        """Start opening a local store now (its process starts and creates the tables) while the
+        caller goes on; :meth:`check_reachable` waits for it. A server is only probed by that."""
+        if not self._remote and self._opening is None:
+            client = self.client
+            assert isinstance(client, ProcessClient)
+            self._opening = client.submit("search_experiments", max_results=1)
+
+    def close(self) -> None:
+        """Stop a local store's process once it has applied every call sent; idempotent. Call it
+        after :meth:`finish`: the tracker takes no calls after this."""
+        with self._client_lock:
+            client, self._client, self._closed = self._client, None, True
+        if isinstance(client, ProcessClient):
+            client.close()
 
     # --- reachability -----------------------------------------------------------------------
     def check_reachable(self) -> None:
@@ -122,11 +153,15 @@ class SweepTracker:
 
         HTTP servers are probed once at ``/health`` (MLflow's client would retry for minutes).
         """
+        opening, self._opening = self._opening, None
         try:
             if self._remote:
                 with urllib.request.urlopen(self._health_url, timeout=10):
                     pass
-            self.client.search_experiments(max_results=1)
+            if isinstance(opening, Future):
+                self.client.wait(opening)
+            else:
+                self.client.search_experiments(max_results=1)
         except Exception as err:  # MLflow raises many types for a dead store
             raise PloraError(
                 f"cannot reach the MLflow tracking store {self.tracking_uri!r} ({first_line(err)}); "
