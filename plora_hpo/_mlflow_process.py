@@ -17,8 +17,10 @@ disk is still recognised as one. Calls are applied one at a time, in the order t
 The child is ``python -m plora_hpo._mlflow_process``, run by this interpreter with this environment
 (multiprocessing's spawn would import the caller's script again, which a script without a
 ``__main__`` guard does not survive), and with the levels this process set on MLflow's loggers, so
-it logs what MLflow would have logged here. It exits when its socket closes, so it never outlives
-the process that started it.
+it logs what MLflow would have logged here. It runs in a session of its own and ignores SIGINT and
+SIGTERM: a Ctrl-C or a scheduler's stop is the caller's to handle, and the caller still logs while it
+stops (its runs end KILLED). It exits when its socket closes, so it never outlives the process that
+started it.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import socket
 import subprocess
 import sys
@@ -69,6 +72,7 @@ class ProcessClient:
                 [sys.executable, "-m", __name__, str(theirs.fileno()), tracking_uri, json.dumps(_mlflow_log_levels())],
                 pass_fds=(theirs.fileno(),),
                 env=env,
+                start_new_session=True,  # a terminal's Ctrl-C signals the caller's process group, not it
             )
         except BaseException:
             ours.close()
@@ -186,6 +190,8 @@ def _mlflow_log_levels() -> dict[str, int]:
 
 def _serve(fd: int, tracking_uri: str, log_levels: dict[str, int]) -> None:
     """The child: apply each call received to one ``MlflowClient``, send back what it gives."""
+    for stop in (signal.SIGINT, signal.SIGTERM):  # the caller decides when to stop; its socket says so
+        signal.signal(stop, signal.SIG_IGN)
     from mlflow.tracking import MlflowClient
 
     for name, level in log_levels.items():  # after MLflow's import has configured its own

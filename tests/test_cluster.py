@@ -174,6 +174,27 @@ def test_sigterm_checkpoints_queues_and_closes_then_a_rerun_finishes(tmp_path):
     assert_runs_closed(run_dir / "mlflow.db", name, 6)
 
 
+def test_ctrl_c_reaches_the_whole_process_group_and_the_sweep_still_closes_its_runs(tmp_path):
+    """A terminal's Ctrl-C signals every process of the foreground group: the sweep's helper
+    processes (its MLflow store's) keep serving it while it checkpoints and closes its runs."""
+    name = "ctrl-c"
+    sweep_file = small_sweep(
+        tmp_path, name=name, space=SPACE, budget={"steps": 12}, pack={"size": 3}, train={"checkpoint_every": 3}
+    )
+    run_dir = tmp_path / "runs"
+    checkpoints = run_dir / "checkpoints" / f"{name}-synthetic"
+    log = tmp_path / "sweep.log"
+    sweep = start_cli(["sweep", str(sweep_file), "--run-dir", str(run_dir)], log)
+    wait_for(lambda: len(list(checkpoints.glob("t*.pt"))) >= 3, sweep, log)
+    os.killpg(sweep.pid, signal.SIGINT)
+    assert finish(sweep, log, timeout=120) == 128 + signal.SIGINT
+    output = log.read_text()
+    assert "stopped by SIGINT" in output and "Traceback" not in output, output[-3000:]
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert runs and "RUNNING" not in {r.info.status for r in runs}  # trial runs KILLED, the sweep's too
+
+
 @pytest.mark.parametrize("problem", ["unreachable", "no such study", "not a sweep", "other sweep file"])
 def test_a_worker_refuses_bad_input_in_one_line(tmp_path, postgres, capsys, problem):
     storage = postgres.new_database()
