@@ -117,6 +117,8 @@ class ProcessClient:
                 except (EOFError, OSError):
                     self._end()
                     break
+                except Exception as err:  # a reply read whole that does not unpickle here: still the head's
+                    ok, value = False, (None, [f"{type(err).__name__}: the store's reply cannot be read ({err})"])
                 head = self._pending.popleft()
                 if ok:
                     head.set_result(value)
@@ -197,7 +199,7 @@ def _serve(fd: int, tracking_uri: str, log_levels: dict[str, int]) -> None:
     for name, level in log_levels.items():  # after MLflow's import has configured its own
         logging.getLogger(name).setLevel(level)
     conn = Connection(fd)
-    client = MlflowClient(tracking_uri=tracking_uri)
+    client = None  # made by the first call, so that an error making it is that call's to raise
     while True:
         try:
             request = conn.recv()
@@ -207,11 +209,14 @@ def _serve(fd: int, tracking_uri: str, log_levels: dict[str, int]) -> None:
             return
         method, args, kwargs = request
         try:
+            client = client or MlflowClient(tracking_uri=tracking_uri)
             reply = (True, getattr(client, method)(*args, **kwargs))
         except Exception as err:
             reply = (False, _portable(err))
         try:
             conn.send(reply)
+        except OSError:  # the parent is gone (killed) while this call ran
+            return
         except (pickle.PicklingError, TypeError, AttributeError) as err:  # a result that cannot travel
             conn.send((False, _portable(StoreProcessError(f"{method} returned what cannot be sent back: {err}"))))
 

@@ -115,6 +115,20 @@ def test_a_killed_child_fails_the_waiting_and_the_later_calls(store):
     assert time.monotonic() - started < 5
 
 
+def test_a_store_that_cannot_be_opened_fails_each_call_and_the_child_answers_on():
+    client = ProcessClient("nosuchscheme://x")
+    try:
+        with pytest.raises(MlflowException) as direct:
+            MlflowClient("nosuchscheme://x")
+        for _ in range(2):  # made by the first call, the client's error is that call's, then the next one's
+            with pytest.raises(StoreProcessError) as served:
+                client.search_experiments()
+            assert str(served.value) == f"{type(direct.value).__name__}: {direct.value}"
+        assert client._process.poll() is None
+    finally:
+        client.close()
+
+
 class _Unpicklable(Exception):
     def __init__(self, code: int, message: str) -> None:  # pickling keeps args, not this signature
         super().__init__(message)
