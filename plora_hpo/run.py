@@ -62,7 +62,7 @@ from plora_hpo.study import (
 )
 from plora_hpo.sweep import PackedSweep, checkpoint_dir
 from plora_hpo.timeline import phase
-from plora_hpo.tracking import SweepTracker, default_tracking_uri
+from plora_hpo.tracking import SweepTracker, default_store_file, default_tracking_uri
 from plora_hpo.trials import PackProgress
 
 
@@ -204,11 +204,14 @@ class SweepRun:
                 shutil.rmtree(run_dir, ignore_errors=True)
             raise
         self._owner = owner
+        store_file = default_store_file(run_dir) if self.mlflow_uri is None else None
+        new_store = store_file is not None and not store_file.exists()
         try:  # until the stores exist, a failure leaves no run directory behind that was not there
             self.tracker = SweepTracker(
                 self.mlflow_uri or default_tracking_uri(run_dir), config.name, artifact_root=run_dir
             )
-            self.tracker.open_store()  # a local store opens in its own process while the model loads
+            if store_file is not None:  # the run directory's own: it opens in its process while the model loads
+                self.tracker.open_store()
             if not self.processes:
                 self.progress.note(f"loading {config.model} and data for {', '.join(config.tasks)}")
                 self.sweep = PackedSweep(
@@ -232,6 +235,8 @@ class SweepRun:
             self._release()
             if not existed:
                 shutil.rmtree(run_dir, ignore_errors=True)
+            elif new_store:  # made by this call, beside the model's load
+                store_file.unlink(missing_ok=True)
             raise
         try:
             for task, study in self.studies.items():

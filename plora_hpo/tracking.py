@@ -3,7 +3,9 @@
 Boundary: what callers see (:class:`SweepTracker`: experiments, runs, params, metrics, tags,
 artifacts) and how each call is applied to the tracking server. Everything goes through
 ``MlflowClient`` with explicit run ids, because trials of a pack are logged from several threads and
-the fluent API's "active run" is thread-global.
+the fluent API's "active run" is thread-global. A local store's client (sqlite, a folder, a database
+URL) runs in a process of its own (``_mlflow_process``), so that MLflow's Python does not hold the
+interpreter lock that the training and evaluation threads need.
 
 Training never waits for an HTTP tracking server: while it is away, calls are queued and delivered
 in order once it is back (``_mlflow_queue``); a run created meanwhile gets a placeholder id that
@@ -45,16 +47,28 @@ from plora_hpo._mlflow_queue import DeliveryQueue
 from plora_hpo._mlflow_resume import close_orphans, reopen
 from plora_hpo.errors import PloraError, first_line
 
-__all__ = ["DEFAULT_RUN_DIR", "LOCAL_ID_TAG", "PLACEHOLDER_PREFIX", "SweepTracker", "default_tracking_uri"]
+__all__ = [
+    "DEFAULT_RUN_DIR",
+    "LOCAL_ID_TAG",
+    "PLACEHOLDER_PREFIX",
+    "SweepTracker",
+    "default_store_file",
+    "default_tracking_uri",
+]
 
 DEFAULT_RUN_DIR = Path("plora_runs")
 
 log = logging.getLogger(__name__)
 
 
+def default_store_file(run_dir: Path = DEFAULT_RUN_DIR) -> Path:
+    """The file of a run directory's own MLflow store: ``plora_runs/mlflow.db``."""
+    return run_dir / "mlflow.db"
+
+
 def default_tracking_uri(run_dir: Path = DEFAULT_RUN_DIR) -> str:
     """A local sqlite store next to the Optuna study: ``sqlite:///plora_runs/mlflow.db``."""
-    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+    return f"sqlite:///{default_store_file(run_dir).resolve()}"
 
 
 def _experiment_id(client: MlflowClient, name: str, artifact_root: Path | None) -> str:

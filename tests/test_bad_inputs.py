@@ -584,6 +584,21 @@ def test_bad_sweep_input_after_loading(workdir, capsys, data_dir, argv, problem,
     _run(workdir, capsys, argv(workdir, data_dir), problem, fix, strict=False)
 
 
+@pytest.mark.slow
+def test_a_failure_while_loading_leaves_an_existing_run_dir_as_it_was(workdir, capsys, data_dir):
+    """The MLflow store opens beside the model's load; a load that fails takes it back."""
+    (workdir / "run").mkdir()
+    (workdir / "run" / "notes.txt").write_text("the user's")
+    _, build, problem, fix = next(c for c in SLOW_CASES if c[0] == "model-folder-without-weights")
+    argv = build(workdir, data_dir)
+    before = _files(workdir)
+    rc = main(argv)
+    _, err = capsys.readouterr()
+    _assert_one_error(rc, err, problem, fix, strict=False)
+    written = _files(workdir) - before - {"run/.owner"}  # the run directory's lock file stays (ownership)
+    assert not written, f"files written: {sorted(written)}"
+
+
 @pytest.mark.parametrize(
     ("argv", "problem", "fix"),
     [
