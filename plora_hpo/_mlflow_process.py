@@ -97,11 +97,12 @@ class ProcessClient:
     def submit(self, method: str, *args: Any, **kwargs: Any) -> Future:
         """Send the call and return at once; :meth:`wait` on the future gives its result."""
         future: Future = Future()
+        request = pickle.dumps((method, args, kwargs))  # an argument that cannot travel raises here, unsent
         with self._send_lock:
             if self._ended is None:
                 self._pending.append(future)
                 try:
-                    self._conn.send((method, args, kwargs))
+                    self._conn.send_bytes(request)
                 except (OSError, ValueError):  # the child is gone (or this client was closed)
                     self._end()
             if self._ended is not None and not future.done():
@@ -119,7 +120,12 @@ class ProcessClient:
                     break
                 except Exception as err:  # a reply read whole that does not unpickle here: still the head's
                     ok, value = False, (None, [f"{type(err).__name__}: the store's reply cannot be read ({err})"])
-                head = self._pending.popleft()
+                try:
+                    head = self._pending.popleft()
+                except IndexError:  # its call was already failed: the child ended meanwhile
+                    continue
+                if head.done():
+                    continue
                 if ok:
                     head.set_result(value)
                 else:
@@ -153,8 +159,11 @@ class ProcessClient:
                 f"the MLflow store process for {self.tracking_uri} ended"
                 + ("" if code is None else f" (exit code {code})")
             )
-        while self._pending:
-            future = self._pending.popleft()
+        while True:
+            try:
+                future = self._pending.popleft()
+            except IndexError:
+                return
             if not future.done():
                 future.set_exception(self._ended)
 

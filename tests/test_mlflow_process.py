@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import signal
 import subprocess
 import sys
@@ -87,6 +88,18 @@ def test_submit_goes_on_at_once_and_wait_collects_in_any_order(store):
     with pytest.raises(MlflowException, match="already exists"):
         client.wait(second)  # collects the first reply on the way
     assert first.done() and client.get_experiment(client.wait(first)).name == "a"
+
+
+def test_an_argument_that_cannot_travel_fails_its_own_call_only(store):
+    _, client = store
+    run_id = client.create_run(client.create_experiment("e")).info.run_id
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        client.log_batch(run_id, metrics=[lambda: 0])
+    answers: list = []
+    later = threading.Thread(target=lambda: answers.append(client.get_run(run_id)), daemon=True)
+    later.start()
+    later.join(30)  # a reply matched to the wrong call would leave this one waiting for ever
+    assert not later.is_alive() and answers[0].info.run_id == run_id
 
 
 def test_close_applies_what_was_sent_and_later_calls_fail(tmp_path):
