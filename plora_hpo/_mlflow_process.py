@@ -14,13 +14,13 @@ store's error: the exception itself when it survives pickling, else a :class:`St
 with its type and message. The messages of its causes come along as its ``__cause__``, so a full
 disk is still recognised as one. Calls are applied one at a time, in the order they were sent.
 
-The child is ``python -m plora_hpo._mlflow_process``, run by this interpreter with this environment
-(multiprocessing's spawn would import the caller's script again, which a script without a
-``__main__`` guard does not survive), and with the levels this process set on MLflow's loggers, so
-it logs what MLflow would have logged here. It runs in a session of its own and ignores SIGINT and
-SIGTERM: a Ctrl-C or a scheduler's stop is the caller's to handle, and the caller still logs while it
-stops (its runs end KILLED). It exits when its socket closes, so it never outlives the process that
-started it.
+The child is a fresh run of this interpreter with this environment that imports this module (from
+where this process did, if nothing else provides it) and serves; multiprocessing's spawn would
+import the caller's script again, which a script without a ``__main__`` guard does not survive. It
+takes the levels this process set on MLflow's loggers, so it logs what MLflow would have logged
+here. It runs in a session of its own and ignores SIGINT and SIGTERM: a Ctrl-C or a scheduler's
+stop is the caller's to handle, and the caller still logs while it stops (its runs end KILLED). It
+exits when its socket closes, so it never outlives the process that started it.
 """
 
 from __future__ import annotations
@@ -45,6 +45,9 @@ from typing import Any
 __all__ = ["ProcessClient", "StoreProcessError"]
 
 _CLOSE_TIMEOUT_S = 30.0  # what the child may take to apply the calls sent before close()
+# The child's program: this module from wherever the interpreter finds it, else from where the parent
+# did (appended, so an installed copy and the standard library come first).
+_CHILD = f"import sys; sys.path.append(sys.argv[1]); from {__name__} import _main; _main(sys.argv[2:])"
 _CAUSES_KEPT = 8
 
 
@@ -63,15 +66,12 @@ class ProcessClient:
     def __init__(self, tracking_uri: str) -> None:
         self.tracking_uri = tracking_uri
         ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        # the child imports plora_hpo from where this process did, installed or not
         package_root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
+        levels = json.dumps(_mlflow_log_levels())
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno()), tracking_uri, json.dumps(_mlflow_log_levels())],
+                [sys.executable, "-c", _CHILD, package_root, str(theirs.fileno()), tracking_uri, levels],
                 pass_fds=(theirs.fileno(),),
-                env=env,
                 start_new_session=True,  # a terminal's Ctrl-C signals the caller's process group, not it
             )
         except BaseException:
@@ -230,8 +230,9 @@ def _serve(fd: int, tracking_uri: str, log_levels: dict[str, int]) -> None:
             conn.send((False, _portable(StoreProcessError(f"{method} returned what cannot be sent back: {err}"))))
 
 
-if __name__ == "__main__":
-    _serve(int(sys.argv[1]), sys.argv[2], json.loads(sys.argv[3]))
+def _main(argv: list[str]) -> None:
+    """The child's entry: serve on socket ``argv[0]`` for store ``argv[1]`` with logger levels ``argv[2]``."""
+    _serve(int(argv[0]), argv[1], json.loads(argv[2]))
     # Every call is applied and answered (the store commits each one): skip the interpreter's
     # teardown of MLflow and SQLAlchemy, most of a second that the sweep's exit would wait for.
     sys.stdout.flush()

@@ -181,7 +181,8 @@ def test_the_tracker_opens_a_local_store_in_its_own_process_and_reports_a_bad_on
 
 def test_a_script_without_a_main_guard_is_not_run_again_by_the_store_process(tmp_path):
     script = tmp_path / "script.py"
-    script.write_text(
+    script.write_text(  # as a bare checkout's script finds the package (the child must find it too)
+        f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
         "from pathlib import Path\n"
         "from plora_hpo.tracking import SweepTracker\n"
         f"tracker = SweepTracker('sqlite:///{tmp_path / 'mlflow.db'}', 'e', artifact_root=Path({str(tmp_path)!r}))\n"
@@ -192,7 +193,6 @@ def test_a_script_without_a_main_guard_is_not_run_again_by_the_store_process(tmp
     )
     out = subprocess.run(
         [sys.executable, str(script)],
-        env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True,
         text=True,
         timeout=120,
