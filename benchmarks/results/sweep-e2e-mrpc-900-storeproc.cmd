@@ -2,7 +2,8 @@
 # sweep-e2e-mrpc-900-storeproc-warm2-h200.json (2026-12-06; the tree of commit 96b4864, with benchmarks/results/quality-*.json
 # and sweep-e2e-*.json set aside to keep the tree under the device's limit). Each ran from the repository root with
 # .whl and .device_data/mrpc (GLUE MRPC's train.tsv and dev.tsv only) carried, on one fresh H200 machine (kind nvidia-h200
-# with needs_h200: a pack of 32 at this shape peaks near 137 GiB), in this order; gpu-tests-h200.cmd's call followed them.
+# with needs_h200: a pack of 32 at this shape peaks near 137 GiB), in this order. A fourth call ran the GPU tests there
+# (12 passed; that output is in the history of gpu-tests-h200.txt, which now holds a later run).
 # 1 -> sweep-e2e-mrpc-900-storeproc-h200.json (the machine's first sweep: Triton's kernels compiled cold)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1; export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 900 --engine-steps 0 --sequential 0 --colocated-k 0 --budget-s 520 --sweep-timeout-s 480 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-900-storeproc-$G --out $OUT 2>&1 | tail -22
 # 2 -> sweep-e2e-mrpc-900-storeproc-warm-h200.json (warm: the bytecode and Triton kernels the first left)
