@@ -172,10 +172,12 @@ class SweepTracker:
             if self._remote:
                 with urllib.request.urlopen(self._health_url, timeout=10):
                     pass
-            if isinstance(opening, Future):
-                self.client.wait(opening)
+            client = self.client
+            if opening is not None:
+                assert isinstance(client, ProcessClient)  # open_store's call, sent to a local store
+                client.wait(opening)
             else:
-                self.client.search_experiments(max_results=1)
+                client.search_experiments(max_results=1)
         except Exception as err:  # MLflow raises many types for a dead store
             raise PloraError(
                 f"cannot reach the MLflow tracking store {self.tracking_uri!r} ({first_line(err)}); "
