@@ -140,22 +140,33 @@ def test_a_killed_worker_s_trials_are_re_run_from_their_checkpoints(tmp_path, po
     assert_runs_closed(run_dir / "mlflow.db", name, 6)
 
 
-def test_sigterm_checkpoints_queues_and_closes_then_a_rerun_finishes(tmp_path):
-    name = "preempted"
+def stopped_mid_sweep(tmp_path: Path, name: str, stop: signal.Signals, *, group: bool) -> tuple[Path, Path]:
+    """A 12-step sweep of six trials in the CLI, sent ``stop`` (to its whole process group with
+    ``group``, as a terminal's Ctrl-C is) once three checkpoints exist. It must exit 128 + ``stop``
+    saying so, without a traceback, with no MLflow run left RUNNING. Returns its sweep file and run
+    directory."""
     sweep_file = small_sweep(
         tmp_path, name=name, space=SPACE, budget={"steps": 12}, pack={"size": 3}, train={"checkpoint_every": 3}
     )
     run_dir = tmp_path / "runs"
-    storage = f"sqlite:///{run_dir / 'optuna.db'}"
     checkpoints = run_dir / "checkpoints" / f"{name}-synthetic"
     log = tmp_path / "sweep.log"
     sweep = start_cli(["sweep", str(sweep_file), "--run-dir", str(run_dir)], log)
     wait_for(lambda: len(list(checkpoints.glob("t*.pt"))) >= 3, sweep, log)
-    os.kill(sweep.pid, signal.SIGTERM)
-    assert finish(sweep, log, timeout=120) == 128 + signal.SIGTERM
+    (os.killpg if group else os.kill)(sweep.pid, stop)
+    assert finish(sweep, log, timeout=120) == 128 + stop
     output = log.read_text()
-    assert "stopped by SIGTERM" in output and "Traceback" not in output
+    assert f"stopped by {stop.name}" in output and "Traceback" not in output, output[-3000:]
+    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
+    assert runs and "RUNNING" not in {r.info.status for r in runs}  # trial runs KILLED, the sweep's too
+    return sweep_file, run_dir
 
+
+def test_sigterm_checkpoints_queues_and_closes_then_a_rerun_finishes(tmp_path):
+    name = "preempted"
+    sweep_file, run_dir = stopped_mid_sweep(tmp_path, name, signal.SIGTERM, group=False)
+    storage = f"sqlite:///{run_dir / 'optuna.db'}"
     stopped = trials(storage, name)
     interrupted = [t for t in stopped if t.user_attrs.get("interrupted")]
     assert interrupted and all(t.state == TrialState.FAIL for t in interrupted)
@@ -163,9 +174,6 @@ def test_sigterm_checkpoints_queues_and_closes_then_a_rerun_finishes(tmp_path):
         t.user_attrs["retry_of"] for t in stopped if t.state == TrialState.WAITING and "retry_of" in t.user_attrs
     }
     assert waiting == {t.number for t in interrupted}  # each queued to resume
-    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
-    assert "RUNNING" not in {r.info.status for r in runs}  # trial runs KILLED, the sweep's too
 
     assert main(["sweep", str(sweep_file), "--run-dir", str(run_dir)]) == 0
     done = [t for t in trials(storage, name) if t.state == TrialState.COMPLETE]
@@ -177,22 +185,7 @@ def test_sigterm_checkpoints_queues_and_closes_then_a_rerun_finishes(tmp_path):
 def test_ctrl_c_reaches_the_whole_process_group_and_the_sweep_still_closes_its_runs(tmp_path):
     """A terminal's Ctrl-C signals every process of the foreground group: the sweep's helper
     processes (its MLflow store's) keep serving it while it checkpoints and closes its runs."""
-    name = "ctrl-c"
-    sweep_file = small_sweep(
-        tmp_path, name=name, space=SPACE, budget={"steps": 12}, pack={"size": 3}, train={"checkpoint_every": 3}
-    )
-    run_dir = tmp_path / "runs"
-    checkpoints = run_dir / "checkpoints" / f"{name}-synthetic"
-    log = tmp_path / "sweep.log"
-    sweep = start_cli(["sweep", str(sweep_file), "--run-dir", str(run_dir)], log)
-    wait_for(lambda: len(list(checkpoints.glob("t*.pt"))) >= 3, sweep, log)
-    os.killpg(sweep.pid, signal.SIGINT)
-    assert finish(sweep, log, timeout=120) == 128 + signal.SIGINT
-    output = log.read_text()
-    assert "stopped by SIGINT" in output and "Traceback" not in output, output[-3000:]
-    client = MlflowClient(f"sqlite:///{run_dir / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name(name).experiment_id])
-    assert runs and "RUNNING" not in {r.info.status for r in runs}  # trial runs KILLED, the sweep's too
+    stopped_mid_sweep(tmp_path, "ctrl-c", signal.SIGINT, group=True)
 
 
 @pytest.mark.parametrize("problem", ["unreachable", "no such study", "not a sweep", "other sweep file"])
