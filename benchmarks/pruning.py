@@ -64,6 +64,7 @@ def run(pruner: str, args: argparse.Namespace, work: Path) -> dict:
         optuna.logging.set_verbosity(optuna.logging.WARNING)
         study.optimize(PackedObjective(sweep, "synthetic"), n_trials=120, n_jobs=sweep.concurrency)
     tracker.finish()
+    tracker.close()  # its store's process, which the next run's tracker does not share
     wall = time.perf_counter() - started
     trials = study.trials
     complete = [t for t in trials if t.state == optuna.trial.TrialState.COMPLETE]
