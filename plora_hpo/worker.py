@@ -263,8 +263,11 @@ class DeviceWorker:
     def predicted_memory(self, configs: list[Any]) -> float:
         return self.memory_correction * self.cost.peak_memory(configs, self.degree)
 
-    def fits(self, configs: list[Any]) -> bool:
-        return len(configs) <= self.config.pack.size and self.predicted_memory(configs) <= self.memory_limit
+    def fits(self, configs: list[Any], limit: float | None = None) -> bool:
+        """Whether ``configs`` make a pack this device takes: at most ``pack.size`` of them, predicted
+        within ``limit`` bytes (default: the device's memory limit)."""
+        limit = self.memory_limit if limit is None else limit
+        return len(configs) <= self.config.pack.size and self.predicted_memory(configs) <= limit
 
     def room(self, members: list[Any], *, idle_peers: int = 0) -> Room:
         """The device's room for a pack holding ``members`` (in the cost model's units)."""
@@ -1012,7 +1015,7 @@ class _Pack:
             worker = self.worker
             others = [s.request.config for a, s in self.slots.items() if a != member]
             room = max(worker.memory_limit, worker.predicted_memory(self._configs()))
-            if worker.predicted_memory([*others, ticket.request.config]) > room:
+            if not worker.fits([*others, ticket.request.config], limit=room):
                 unfit.add((ticket, member))
         return (ticket, member) not in unfit
 
