@@ -482,7 +482,14 @@ def gpu_idle_by_phase(spans: list[tuple[float, float, str]], samples: list[tuple
 
 def is_worker_thread(name: str) -> bool:
     """A device's training loop (``plora-<device>``), not one of its background threads."""
-    return name.startswith("plora-") and not name.endswith(("-checkpoints", "-finishing")) and not is_deleter(name)
+    background = name.endswith("-checkpoints") or is_finishing(name) or is_deleter(name)
+    return name.startswith("plora-") and not background
+
+
+def is_finishing(name: str) -> bool:
+    """One of a device's two threads recording finished trials: their files (``plora-<device>-exports``),
+    then their MLflow runs and results (``plora-<device>-finishing``)."""
+    return name.endswith(("-exports", "-finishing"))
 
 
 def is_deleter(name: str) -> bool:
@@ -492,6 +499,7 @@ def is_deleter(name: str) -> bool:
 
 TAIL_THREADS = (  # (who, whether a thread name is theirs), in the order the tail is printed
     ("worker", is_worker_thread),
+    ("export thread", lambda name: name.endswith("-exports")),
     ("finishing thread", lambda name: name.endswith("-finishing")),
     ("checkpoint writer", lambda name: name.endswith("-checkpoints")),
     ("checkpoint deletes", is_deleter),
@@ -534,7 +542,7 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
     beats = [e for e in events if e["phase"] == "heartbeat"]  # Optuna's heartbeat threads, one per trial in flight
     background = [e for e in events if e["thread"].endswith("-checkpoints")]
     deletes = [e for e in events if is_deleter(e["thread"]) and e["phase"] == "checkpoint-delete"]
-    finishing = [e for e in events if e["thread"].endswith("-finishing")]
+    finishing = [e for e in events if is_finishing(e["thread"])]
     exits = [e for e in events if e["phase"] == EXIT_PHASE]
     loading = [e for e in events if e["thread"] == "MainThread" and e["phase"] != EXIT_PHASE]  # processes' own
     events = [e for e in events if is_worker_thread(e["thread"])]
@@ -624,8 +632,8 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
         "each of those (NVML samples, each held until the next); background_checkpoint_write_s: the checkpoint "
         "writer thread's torch.save time, overlapping the worker's phases; background_checkpoint_delete_s: the "
         "removals of finished trials' checkpoints, summed over the threads that run them side by side; "
-        "background_finishing: the finishing "
-        "thread's phases (finished adapters' files, MLflow runs, results), overlapping the worker's; 'finishing' "
+        "background_finishing: the phases of the threads recording finished trials (their files on one, their "
+        "MLflow runs and results on the other), overlapping the worker's; 'finishing' "
         "on the worker: waiting for them at a pack's end; triton_compiles: Triton kernel variants compiled on the "
         "worker's thread (not those of the compile pass, compiled on a pool), with the training step (0-based) they "
         "were in; slow_steps: training steps over twice the median, with the kernels compiled in them and the "
@@ -1045,10 +1053,10 @@ def plot(result: dict, path: Path) -> None:
     sweep = result["sweep"]
     start, events = sweep["start"], sweep.get("events", [])
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(13, 6), sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    own_row = " (finishing thread)"
+    own_row = " (finishing threads)"
 
-    def row(e: dict) -> str:  # the finishing thread's phases get rows of their own
-        return e["phase"] + (own_row if e["thread"].endswith("-finishing") else "")
+    def row(e: dict) -> str:  # the phases of the threads recording finished trials get rows of their own
+        return e["phase"] + (own_row if is_finishing(e["thread"]) else "")
 
     rows = {row(e) for e in events}
     names = [p for p in [*PHASES, "checkpoint-write", "checkpoint-delete", "leave", "progress"] if p in rows]

@@ -11,8 +11,8 @@ adapter trains the trial the policy picks without restarting the pack.
 Per step the worker also: checkpoints adapters a few times over their steps
 (``train.checkpoint_every``); scores adapters on a slice of the eval set every
 ``pruning.interval`` steps and asks their trial whether to stop; scores adapters that finished,
-copies each out of the pack and frees its slot, while a thread of its own (``finisher``) writes
-the adapter, reports its run and hands its trial the outcome; feeds warm step times back into
+copies each out of the pack and frees its slot, while threads of its own write the adapter
+(``exporter``), then report its run and hand its trial the outcome (``finisher``); feeds warm step times back into
 its cost model. A step that runs out of device memory is undone and the pack split: the adapters
 that still fit (by the corrected memory estimate) train on, the others wait in host memory and
 rejoin when room frees up.
@@ -187,9 +187,12 @@ class DeviceWorker:
         )
         self.pacer = SharePacer(config.train.checkpoint_overhead)  # checkpoint saves, sized in LoRA parameters
         self.writer = CheckpointWriter(f"plora-{self.name}")
-        # finished trials' files, MLflow runs and results; a copy or two ahead is all the overlap
-        # needs, and page-locked buffers freed by written copies are what the next copies reuse
-        self.finisher = JobThread(f"plora-{self.name}-finishing", FINISHING_QUEUE_BYTES)
+        # finished trials are recorded in two stages, a thread each, so that one trial's MLflow run is
+        # reported while the next one's files are written. The exports hold the adapters' host copies:
+        # a copy or two ahead is all the overlap needs, and page-locked buffers freed by written
+        # copies are what the next copies reuse. The finishing thread reports runs and hands results over.
+        self.exporter = JobThread(f"plora-{self.name}-exports", FINISHING_QUEUE_BYTES)
+        self.finisher = JobThread(f"plora-{self.name}-finishing", 0)
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         # the first full disk a finished trial's record met: the records queued behind it resume
         # their trials without writing (each write would fill the disk again, under the stores' writes)
@@ -262,6 +265,25 @@ class DeviceWorker:
 
     def predicted_memory(self, configs: list[Any]) -> float:
         return self.memory_correction * self.cost.peak_memory(configs, self.degree)
+
+    def raise_finishing_failure(self) -> None:
+        """Raise the first error a finished trial's record raised since the last look, if any."""
+        self.exporter.raise_failure()
+        self.finisher.raise_failure()
+
+    def drain_finishing(self) -> None:
+        """Wait until every finished trial queued so far is recorded (files, then run and result);
+        then raise the first error either stage kept."""
+        errors: list[BaseException] = []
+        for stage in (self.exporter, self.finisher):  # the exports queue the reports: they drain first
+            try:
+                stage.drain()
+            except BaseException as err:
+                errors.append(err)
+        for err in errors[1:]:
+            log.info("recording a finished trial failed too: %s", first_line(err))
+        if errors:
+            raise errors[0]
 
     def fits(self, configs: list[Any], limit: float | None = None) -> bool:
         """Whether ``configs`` make a pack this device takes: at most ``pack.size`` of them, predicted
@@ -460,7 +482,7 @@ class _Pack:
 
     @_replayed
     def export_adapter(self, adapter_id: str, directory: Path) -> Callable[[], Path]:
-        """The adapter copied out of the pack; returns the write of it (for the finishing thread)."""
+        """The adapter copied out of the pack; returns the write of it (for the export thread)."""
         with phase("export"):
             return self.worker.export(self.worker.packed, adapter_id, directory)
 
@@ -646,10 +668,10 @@ class _Pack:
                     self._rotate()
                 self.admit()
                 progress.pack_update(self.pack_id, self.packed_steps, self._furthest_step(), len(self.slots))
-                self.worker.finisher.raise_failure()
+                self.worker.raise_finishing_failure()
                 if not self.slots:  # its trials' results bring the next proposals: they may join this pack
                     with phase("finishing"):
-                        self.worker.finisher.drain()
+                        self.worker.drain_finishing()
                     self.admit(gather_seconds=self.config.pack.gather_seconds)
         except _Shutdown:  # the sweep is closing mid-pack (interrupted): keep what trained so far
             for adapter_id, slot in self.slots.items():
@@ -686,7 +708,7 @@ class _Pack:
                 raise
         finally:
             try:
-                self.worker.finisher.drain()  # trials that left before an error still get their results
+                self.worker.drain_finishing()  # trials that left before an error still get their results
             except BaseException as err:  # its own trial has it; the pack's first error is the one raised
                 log.info("%s: recording a finished trial failed too: %s", self.pack_id, first_line(err))
             self._close_segment()
@@ -837,47 +859,69 @@ class _Pack:
                 held = 4 * self.worker.degree * sum(p.numel() for p in self.worker.packed.parameters_of(adapter_id))
                 with phase("leave"):
                     self._leave(adapter_id)  # its slot trains the next trial while this one is recorded
-                with phase("finishing"):  # waits only while the thread holds too many adapters' copies
-                    self.worker.finisher.submit(
-                        functools.partial(self._record_completed, slot, outcome, write, stats), nbytes=held
+                with phase("finishing"):  # waits only while the exports hold too many adapters' copies
+                    self.worker.exporter.submit(
+                        functools.partial(self._export_completed, slot, outcome, write, stats), nbytes=held
                     )
 
-    def _record_completed(
+    def _export_completed(
         self, slot: _Slot, outcome: TrialOutcome, write: Callable[[], Path], stats: PackStats
     ) -> None:
-        """On the finishing thread: the adapter's files, its run's last report, then its trial's result.
+        """On the export thread: the finished adapter's files; its run's last report and its trial's
+        result are then queued for the finishing thread (:meth:`_report_completed`).
 
-        A failure settles this trial as the pack's own error would (its run ends FAILED, or KILLED
-        to resume from its checkpoint when the disk is full) and is raised for the training loop.
+        A failure settles this trial as the pack's own error would (:meth:`_record_failed`) and is
+        raised for the training loop.
         """
         try:
-            if self.worker.full_disk is not None:
-                raise NoSpaceLeft(str(self.worker.full_disk))
-            where: Path | None = self.worker.adapter_root
-            what = "a finished adapter"
+            self._stop_if_disk_full()
             try:
                 with phase("export"):
                     adapter_dir = write()
-                # a full tracking store resumes the trial as a full adapter disk does; it may live anywhere
-                where, what = None, "the MLflow run of a finished trial"
-                with phase("mlflow"):
-                    adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
             except Exception as err:
-                full = as_no_space_left(err, where, what)
+                full = as_no_space_left(err, self.worker.adapter_root, "a finished adapter")
                 if full is None:
                     raise
                 raise full from err
         except BaseException as err:
-            if isinstance(err, NoSpaceLeft) and self.worker.full_disk is None:
-                self.worker.full_disk = err
-            with contextlib.suppress(Exception):  # the first error is the one to report
-                if isinstance(err, NoSpaceLeft):
-                    self.reporter.trial_interrupted(slot)
-                else:
-                    self.reporter.trial_abandoned(slot.run_id)
-            slot.ticket.fail(err)
+            self._record_failed(slot, err)
+            raise
+        self.worker.finisher.submit(functools.partial(self._report_completed, slot, outcome, adapter_dir, stats))
+
+    def _report_completed(self, slot: _Slot, outcome: TrialOutcome, adapter_dir: Path, stats: PackStats) -> None:
+        """On the finishing thread: the finished trial's run gets its last report, then the trial its
+        result. A failure settles the trial as in :meth:`_export_completed`."""
+        try:
+            self._stop_if_disk_full()
+            try:
+                with phase("mlflow"):
+                    adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
+            except Exception as err:  # a full tracking store resumes the trial as a full adapter disk does
+                full = as_no_space_left(err, None, "the MLflow run of a finished trial")
+                if full is None:
+                    raise
+                raise full from err
+        except BaseException as err:
+            self._record_failed(slot, err)
             raise
         self._settle(slot, dataclasses.replace(outcome, adapter_dir=adapter_dir))
+
+    def _stop_if_disk_full(self) -> None:
+        """Raise the first full disk a finished trial's record met (:attr:`DeviceWorker.full_disk`)."""
+        if self.worker.full_disk is not None:
+            raise NoSpaceLeft(str(self.worker.full_disk))
+
+    def _record_failed(self, slot: _Slot, err: BaseException) -> None:
+        """A finished trial whose record failed: its run ends FAILED, or KILLED to resume from its
+        checkpoint when the disk is full; its trial gets the error."""
+        if isinstance(err, NoSpaceLeft) and self.worker.full_disk is None:
+            self.worker.full_disk = err
+        with contextlib.suppress(Exception):  # the first error is the one to report
+            if isinstance(err, NoSpaceLeft):
+                self.reporter.trial_interrupted(slot)
+            else:
+                self.reporter.trial_abandoned(slot.run_id)
+        slot.ticket.fail(err)
 
     def _fail(self, slot: _Slot, reason: str) -> None:
         """A trial that left its pack non-finite (or out of memory alone): its run ends FAILED."""

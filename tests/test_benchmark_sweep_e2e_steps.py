@@ -88,7 +88,8 @@ def test_the_tail_says_when_each_thread_ended_after_the_last_step():
         event("checkpoint-write", 13.0, 16.5, "plora-cuda:0-checkpoints"),
         event("checkpoint-delete", 13.0, 14.0, "plora-cuda:0-checkpoint-deletes_0"),  # two side by side
         event("checkpoint-delete", 13.5, 15.0, "plora-cuda:0-checkpoint-deletes_1"),
-        event("export", 12.5, 13.0, "plora-cuda:0-finishing"),
+        event("export", 12.5, 13.0, "plora-cuda:0-exports"),
+        event("export", 13.0, 13.5, "plora-cuda:0-exports"),
         event("mlflow", 13.0, 16.0, "plora-cuda:0-finishing"),
         event("mlflow-live", 10.0, 11.5, "mlflow-live-curves"),
         event("heartbeat", 12.0, 12.1, "Thread-3 (_record_heartbeat)"),
@@ -99,7 +100,8 @@ def test_the_tail_says_when_each_thread_ended_after_the_last_step():
     assert tail["after_last_step_s"] == 8.0
     assert tail["threads"] == {
         "worker": {"ends_s": 2.5, "phases_s": {"evaluate": 2.0, "export": 0.5}},
-        "finishing thread": {"ends_s": 6.0, "phases_s": {"mlflow": 3.0, "export": 0.5}},
+        "export thread": {"ends_s": 3.5, "phases_s": {"export": 1.0}},
+        "finishing thread": {"ends_s": 6.0, "phases_s": {"mlflow": 3.0}},
         "checkpoint writer": {"ends_s": 6.5, "phases_s": {"checkpoint-write": 4.5}},
         "checkpoint deletes": {"ends_s": 5.0, "phases_s": {"checkpoint-delete": 2.5}},
         "live curves": {"ends_s": 1.5, "phases_s": {"mlflow-live": 1.5}},
@@ -107,6 +109,8 @@ def test_the_tail_says_when_each_thread_ended_after_the_last_step():
     }
     assert "checkpoint-delete" not in timeline["seconds"]  # the removal threads are not the worker's
     assert (timeline["background_checkpoint_delete_s"], timeline["background_checkpoint_deletes"]) == (2.5, 2)
+    assert timeline["background_finishing"] == {"export": 1.0, "mlflow": 3.0}  # both recording threads'
+    assert "mlflow" not in timeline["seconds"]  # neither is the worker's
 
 
 def test_gpu_utilisation_inside_spans_counts_each_sample_once():
@@ -123,11 +127,11 @@ def test_the_gpu_s_idle_seconds_go_to_the_worker_phase_they_fell_in():
 
     events = [train(1.0), train(2.0)]  # steps at 1.0-1.5 and 2.0-2.5; the loop between them
     events += [{"phase": "evaluate", "start": 3.0, "end": 4.0, "thread": "plora-cuda:0"}]
-    events += [{"phase": "export", "start": 3.0, "end": 3.5, "thread": "plora-cuda:0-finishing"}]  # beside it
+    events += [{"phase": "export", "start": 3.0, "end": 3.5, "thread": "plora-cuda:0-exports"}]  # beside it
     samples = [(0.0, 0, 0.0), (1.0, 100, 9.0), (1.25, 50, 9.0), (1.5, 0, 9.0), (3.0, 20, 9.0), (5.0, 0, 9.0)]
     idle = summarize_timeline(events, start=0.0, end=5.0, samples=samples)["gpu_idle_s_by_phase"]
     # start-up 0-1 s idle; the steps: 0.25 s at half busy, the second at 0% from the 1.5 s sample; the loop
-    # 1.5-2 and 2.5-3 idle; evaluation at 20% busy; the finishing thread's export is no phase of the worker's
+    # 1.5-2 and 2.5-3 idle; evaluation at 20% busy; the export thread's export is no phase of the worker's
     assert idle == {"train": 0.62, "startup": 1.0, "loop": 1.0, "evaluate": 0.8, "shutdown": 0.8}
     assert list(idle) == sorted(idle, key=idle.get, reverse=True)
     assert summarize_timeline(events, 0.0, 5.0, samples[:1])["gpu_idle_s_by_phase"] == {}  # too few to say

@@ -215,6 +215,41 @@ def test_the_pack_trains_on_while_its_finished_trials_are_recorded(tmp_path, mon
         assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
 
 
+def test_a_finished_trial_s_files_are_written_while_the_one_before_is_reported(tmp_path, monkeypatch):
+    """Two trials finish together: the second one's adapter files are written while the first one's
+    MLflow run is still being reported (the report waits here for them; recorded one after the
+    other on a single thread, it would wait in vain)."""
+    sweep, study, tracker = open_sweep(tmp_path, "stages", budget={"steps": 3}, pack={"size": 2, "gather_seconds": 10})
+    real_completed, waited = sweep.reporter.trial_completed, []
+
+    def slow_completed(record, pack_id, metrics, adapter_dir, stats):
+        if not waited:
+            deadline = time.monotonic() + 30
+            others = []
+            while not others and time.monotonic() < deadline:
+                others = [
+                    d
+                    for d in adapter_dir.parent.iterdir()
+                    if d != adapter_dir and (d / "adapter_config.json").is_file()
+                ]
+                time.sleep(0.05)
+            waited.append(bool(others))
+        return real_completed(record, pack_id, metrics, adapter_dir, stats)
+
+    monkeypatch.setattr(sweep.reporter, "trial_completed", slow_completed)
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=2, n_jobs=2)
+    finally:
+        sweep.close()
+
+    assert waited == [True]
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    client = MlflowClient(tracker.tracking_uri)
+    for t in study.trials:
+        assert (Path(t.user_attrs["adapter_dir"]) / "adapter_model.safetensors").is_file()
+        assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
+
+
 def test_a_finished_trial_s_curve_reaches_mlflow_while_it_is_scored(tmp_path):
     """The curve's last steps go out as the scoring starts, beside it, not after it with the
     run's last report: the scorer waits here until MLflow holds every step of each trial it scores."""
