@@ -39,7 +39,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -868,60 +868,45 @@ class _Pack:
         self, slot: _Slot, outcome: TrialOutcome, write: Callable[[], Path], stats: PackStats
     ) -> None:
         """On the export thread: the finished adapter's files; its run's last report and its trial's
-        result are then queued for the finishing thread (:meth:`_report_completed`).
-
-        A failure settles this trial as the pack's own error would (:meth:`_record_failed`) and is
-        raised for the training loop.
-        """
-        try:
-            self._stop_if_disk_full()
-            try:
-                with phase("export"):
-                    adapter_dir = write()
-            except Exception as err:
-                full = as_no_space_left(err, self.worker.adapter_root, "a finished adapter")
-                if full is None:
-                    raise
-                raise full from err
-        except BaseException as err:
-            self._record_failed(slot, err)
-            raise
+        result are then queued for the finishing thread (:meth:`_report_completed`)."""
+        with self._recording(slot, self.worker.adapter_root, "a finished adapter"), phase("export"):
+            adapter_dir = write()
         self.worker.finisher.submit(functools.partial(self._report_completed, slot, outcome, adapter_dir, stats))
 
     def _report_completed(self, slot: _Slot, outcome: TrialOutcome, adapter_dir: Path, stats: PackStats) -> None:
-        """On the finishing thread: the finished trial's run gets its last report, then the trial its
-        result. A failure settles the trial as in :meth:`_export_completed`."""
+        """On the finishing thread: the finished trial's run gets its last report, then the trial its result.
+        A full tracking store resumes the trial as a full adapter disk does; the store may live anywhere."""
+        with self._recording(slot, None, "the MLflow run of a finished trial"), phase("mlflow"):
+            adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
+        self._settle(slot, dataclasses.replace(outcome, adapter_dir=adapter_dir))
+
+    @contextlib.contextmanager
+    def _recording(self, slot: _Slot, where: Path | None, what: str) -> Iterator[None]:
+        """Around one stage of a finished trial's record. A failure settles the trial as the pack's
+        own error would: its run ends FAILED, or KILLED to resume from its checkpoint when the disk
+        (``where``; None: any) is full; the trial gets the error, which is raised for the training loop.
+        After a record met a full disk (:attr:`DeviceWorker.full_disk`), the stages behind it do
+        not write."""
         try:
-            self._stop_if_disk_full()
+            if self.worker.full_disk is not None:
+                raise NoSpaceLeft(str(self.worker.full_disk))
             try:
-                with phase("mlflow"):
-                    adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
-            except Exception as err:  # a full tracking store resumes the trial as a full adapter disk does
-                full = as_no_space_left(err, None, "the MLflow run of a finished trial")
+                yield
+            except Exception as err:
+                full = as_no_space_left(err, where, what)
                 if full is None:
                     raise
                 raise full from err
         except BaseException as err:
-            self._record_failed(slot, err)
+            if isinstance(err, NoSpaceLeft) and self.worker.full_disk is None:
+                self.worker.full_disk = err
+            with contextlib.suppress(Exception):  # the first error is the one to report
+                if isinstance(err, NoSpaceLeft):
+                    self.reporter.trial_interrupted(slot)
+                else:
+                    self.reporter.trial_abandoned(slot.run_id)
+            slot.ticket.fail(err)
             raise
-        self._settle(slot, dataclasses.replace(outcome, adapter_dir=adapter_dir))
-
-    def _stop_if_disk_full(self) -> None:
-        """Raise the first full disk a finished trial's record met (:attr:`DeviceWorker.full_disk`)."""
-        if self.worker.full_disk is not None:
-            raise NoSpaceLeft(str(self.worker.full_disk))
-
-    def _record_failed(self, slot: _Slot, err: BaseException) -> None:
-        """A finished trial whose record failed: its run ends FAILED, or KILLED to resume from its
-        checkpoint when the disk is full; its trial gets the error."""
-        if isinstance(err, NoSpaceLeft) and self.worker.full_disk is None:
-            self.worker.full_disk = err
-        with contextlib.suppress(Exception):  # the first error is the one to report
-            if isinstance(err, NoSpaceLeft):
-                self.reporter.trial_interrupted(slot)
-            else:
-                self.reporter.trial_abandoned(slot.run_id)
-        slot.ticket.fail(err)
 
     def _fail(self, slot: _Slot, reason: str) -> None:
         """A trial that left its pack non-finite (or out of memory alone): its run ends FAILED."""
