@@ -1,0 +1,9 @@
+# The device calls that wrote sweep-e2e-mrpc-650-sequential-h100.json and sweep-e2e-mrpc-650-colocated-warm-h100.json
+# (2026-12-06; the tree of commit c52144a, with benchmarks/results/quality-*.json and sweep-e2e-*.json set aside to keep
+# the tree under the device's limit). Each ran from the repository root with .whl and .device_data/mrpc (GLUE MRPC's
+# train.tsv and dev.tsv only) carried, on one fresh H100 machine (kind nvidia-h100-x1), in this order. Seven calls for
+# an H200 before them failed to start.
+# 1 -> sweep-e2e-mrpc-650-sequential-h100.json (the machine's first sweep: Triton's kernels compiled cold)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1; export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 650 --engine-steps 0 --sequential 1 --colocated-k 0 --budget-s 560 --sweep-timeout-s 330 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-650-sequential-$G --out $OUT 2>&1 | tail -22
+# 2 -> sweep-e2e-mrpc-650-colocated-warm-h100.json (warm: the bytecode and Triton kernels the first left)
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 650 --engine-steps 0 --sequential 0 --colocated-k 4 --colocated-configs 4 --bytecode as-is --budget-s 520 --sweep-timeout-s 330 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-650-colocated-warm-$G --out $OUT 2>&1 | tail -22
