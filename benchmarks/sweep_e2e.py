@@ -1390,6 +1390,7 @@ def main(argv=None) -> None:
                     sweep_file, 1, info, shape=args.shape, smoke=args.smoke, data_dir=args.data_dir
                 ),
             }
+            save()  # kept should a later stage run past the call's limit
         if args.again and trials:
             wall = result["sweep"]["wall_s"]
             if left() > wall + 30:
