@@ -425,7 +425,8 @@ class _Pack:
         self._joined: list[str] = []
         self._reported_at = time.monotonic()
         self._saves_due: dict[str, None] = {}  # adapters whose checkpoint fell due, in order, not yet saved
-        self._unfit: tuple[int, set[tuple[TrialTicket, str]]] = (-1, set())  # (composition, swaps that do not fit)
+        # (composition, swaps that do not fit: a waiting trial and the members it would replace)
+        self._unfit: tuple[int, set[tuple[TrialTicket, tuple[str, ...]]]] = (-1, set())
 
     # --- engine calls (made by every rank of a tensor-parallel group) ---------------------------
     @_replayed
@@ -990,7 +991,8 @@ class _Pack:
         trials that do not fit would wait for the pack to end and then train on their own, a small
         pack whose steps cost nearly what a full one's do. Instead a member far ahead (fewer steps
         left, by the lead :data:`ROTATE_ROUNDS` sets) is parked in host memory, as after an
-        out-of-memory split, and the waiting trial furthest behind trains in its place; parked
+        out-of-memory split, and the waiting trial furthest behind trains in its place (in the
+        place of several such members if it is larger than any one of them); parked
         trials come back the same way, or once a member finishes. A trial trains exactly the steps
         it would have trained without rotation.
         """
@@ -1016,7 +1018,7 @@ class _Pack:
                 for a in self.trainer.jobs
                 if not self.trainer.is_done(a)
             )
-            out = next((a for left, a in ahead if behind - left >= lead and self._fits_instead(ticket, a)), None)
+            out = self._room_for(ticket, [a for left, a in ahead if behind - left >= lead])
             if out is None:
                 return
             if state is None:
@@ -1027,12 +1029,26 @@ class _Pack:
                     raise _Shutdown from None
             else:
                 worker.parked = deque(entry for entry in worker.parked if entry[0] is not ticket)
-            log.info("%s: %s waits in host memory while %s trains", self.pack_id, out, ticket.request.adapter_id)
-            worker.parked.append(self._park(out))
+            for member in out:
+                log.info("%s: %s waits in host memory while %s trains", self.pack_id, member, ticket.request.adapter_id)
+                worker.parked.append(self._park(member))
             self._join(ticket, state)
 
-    def _fits_instead(self, ticket: TrialTicket, member: str) -> bool:
-        """Whether the waiting trial fits in the pack in ``member``'s place: the cost model predicts
+    def _room_for(self, ticket: TrialTicket, eligible: list[str]) -> tuple[str, ...] | None:
+        """The members the waiting trial trains instead of: the first of ``eligible`` (members far
+        enough ahead, fewest steps left first) that it fits in place of; else, for a trial larger
+        than any one of them, as many of them, in that order, as make room for it, so that a
+        large trial waits no longer than a small one; None if even all of them do not."""
+        single = next((a for a in eligible if self._fits_instead(ticket, (a,))), None)
+        if single is not None:
+            return (single,)
+        for n in range(2, len(eligible) + 1):
+            if self._fits_instead(ticket, tuple(eligible[:n])):
+                return tuple(eligible[:n])
+        return None
+
+    def _fits_instead(self, ticket: TrialTicket, members: tuple[str, ...]) -> bool:
+        """Whether the waiting trial fits in the pack in ``members``' place: the cost model predicts
         the pack with it within the device's limit, or within what the pack holds now. A pack that
         the model, refitted on its own peak, now puts above the limit is training all the same, so a
         swap that holds no more than it does fits. Asked once per composition (:meth:`_rotate`
@@ -1040,13 +1056,13 @@ class _Pack:
         if self._unfit[0] != self._composition:
             self._unfit = (self._composition, set())
         unfit = self._unfit[1]
-        if (ticket, member) not in unfit:
+        if (ticket, members) not in unfit:
             worker = self.worker
-            others = [s.request.config for a, s in self.slots.items() if a != member]
+            others = [s.request.config for a, s in self.slots.items() if a not in members]
             room = max(worker.memory_limit, worker.predicted_memory(self._configs()))
             if not worker.fits([*others, ticket.request.config], limit=room):
-                unfit.add((ticket, member))
-        return (ticket, member) not in unfit
+                unfit.add((ticket, members))
+        return (ticket, members) not in unfit
 
     # --- cost model -----------------------------------------------------------------------------
     def _maybe_calibrate(self) -> None:

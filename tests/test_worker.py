@@ -542,3 +542,71 @@ def test_rotation_goes_on_when_the_running_pack_is_predicted_above_the_limit(tmp
     assert sum(len(h) == 3 for h in held) > 12  # swaps went on after the limit fell under the pack
     assert all([s for s, _ in curve] == list(range(1, 13)) for curve in losses.values()) and len(losses) == 5
     assert values == pytest.approx(plain_values, rel=1e-4)
+
+
+def mixed_rotation_run(tmp_path, name, rotate):
+    """Three small trials and a large one asked at once, the large one last, on a device with
+    room for the three small ones or for the large one beside one small one: the adapters each
+    pack step held (labels), each adapter's (step, loss) records, each trial's value, and the
+    cost model's prediction for the large one beside two small ones, against the room."""
+    small = [AdapterConfig(rank=8, alpha=8.0, learning_rate=lr, batch_size=2) for lr in (1e-5, 2e-5, 4e-5)]
+    large = AdapterConfig(rank=64, alpha=64.0, learning_rate=1e-4, batch_size=8)
+    space = {
+        "rank": {"choices": [8, 64]},
+        "alpha_multiplier": {"choices": [1]},
+        "learning_rate": {"choices": [1e-5, 2e-5, 4e-5, 1e-4]},
+        "batch_size": {"choices": [2, 8]},
+    }
+    sweep, study, _ = open_sweep(
+        tmp_path, name, budget={"steps": 12}, space=space, pack={"size": 4, "gather_seconds": 10, "rotate": rotate}
+    )
+    for c in [*small, large]:
+        study.enqueue_trial(
+            {"rank": c.rank, "alpha_multiplier": 1, "learning_rate": c.learning_rate, "batch_size": c.batch_size}
+        )
+    real_step, held, losses, sizes = PackedTrainer.step, [], {}, {}
+
+    def step(self):
+        labels = {a: self.jobs[a].config.label() for a in self.jobs}
+        reports = real_step(self)
+        held.append(sorted(labels.values()))
+        for r in reports:
+            losses.setdefault(labels[r.adapter_id], []).append((r.step, r.loss))
+        return reports
+
+    with pytest.MonkeyPatch.context() as patch:
+
+        def room(self):
+            sizes["room"] = 1.001 * max(self.cost.peak_memory(small), self.cost.peak_memory([large, small[0]]))
+            sizes["large and two small"] = self.cost.peak_memory([large, *small[:2]])
+            return sizes["room"]
+
+        patch.setattr(worker_module.DeviceWorker, "memory_limit", property(room))
+        patch.setattr(worker_module, "ROTATE_MIN_LEAD", 1)
+        patch.setattr(worker_module, "ROTATE_ROUNDS", 4)  # a lead of 3 of the 12 steps
+        patch.setattr(PackedTrainer, "step", step)
+        try:
+            serve(study, PackedObjective(sweep, "synthetic"), n_trials=4)
+        finally:
+            sweep.close()
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 4
+    values = {(t.params["rank"], t.params["learning_rate"]): t.value for t in study.trials}
+    return held, losses, values, sizes, large.label()
+
+
+def test_a_large_waiting_trial_takes_the_place_of_several_small_members(tmp_path):
+    plain_held, plain_losses, plain_values, sizes, large = mixed_rotation_run(tmp_path, "plain", rotate=False)
+    held, losses, values, _, _ = mixed_rotation_run(tmp_path, "rotated", rotate=True)
+
+    assert sizes["large and two small"] > sizes["room"]  # it fits in place of no one small member
+    assert not any(large in h and len(h) > 2 for h in held)  # never more than the room
+    # the large trial came back in place of two small members that had steps left (they trained later)
+    comebacks = [i for i in range(1, len(held)) if large in held[i] and large not in held[i - 1]]
+    displaced = [(i, set(held[i - 1]) - set(held[i])) for i in comebacks]
+    assert any(len(out) >= 2 and all(any(m in h for h in held[i:]) for m in out) for i, out in displaced)
+    assert len(held) < len(plain_held)  # the large trial did not wait for the small ones to end
+    assert set(losses) == set(plain_losses) and len(losses) == 4
+    for label, curve in losses.items():
+        assert [s for s, _ in curve] == list(range(1, 13)), label  # every step once, in order
+        assert [loss for _, loss in curve] == pytest.approx([loss for _, loss in plain_losses[label]], rel=1e-4)
+    assert values == pytest.approx(plain_values, rel=1e-4)
