@@ -471,6 +471,22 @@ def test_only_a_serial_optimize_is_warned_about_not_serve_s_last_trial(tmp_path)
     assert len([t for t in study.trials if t.state == TrialState.COMPLETE]) == 3
 
 
+def recording_step(held: list, losses: dict):
+    """PackedTrainer.step that also records the labels each pack step held (in ``held``) and
+    each adapter's (step, loss) records (in ``losses``, by label)."""
+    real_step = PackedTrainer.step
+
+    def step(self):
+        labels = {a: self.jobs[a].config.label() for a in self.jobs}
+        reports = real_step(self)
+        held.append(sorted(labels.values()))
+        for r in reports:
+            losses.setdefault(labels[r.adapter_id], []).append((r.step, r.loss))
+        return reports
+
+    return step
+
+
 def rotation_run(tmp_path, name, rotate, shrink_after=None):
     """Five trials asked at once where three fit (memory for three): the adapters each pack step
     held, each adapter's (step, loss) records, and each trial's value. ``shrink_after``: after that
@@ -486,15 +502,8 @@ def rotation_run(tmp_path, name, rotate, shrink_after=None):
         tmp_path, name, budget={"steps": 12}, space=space, pack={"size": 5, "gather_seconds": 10, "rotate": rotate}
     )
     one = AdapterConfig(rank=8, alpha=8.0, learning_rate=1e-4, batch_size=2)
-    real_step, held, losses = PackedTrainer.step, [], {}
-
-    def step(self):
-        labels = {a: self.jobs[a].config.label() for a in self.jobs}
-        reports = real_step(self)
-        held.append(sorted(labels.values()))
-        for r in reports:
-            losses.setdefault(labels[r.adapter_id], []).append((r.step, r.loss))
-        return reports
+    held, losses = [], {}
+    step = recording_step(held, losses)
 
     with pytest.MonkeyPatch.context() as patch:
 
@@ -564,15 +573,8 @@ def mixed_rotation_run(tmp_path, name, rotate):
         study.enqueue_trial(
             {"rank": c.rank, "alpha_multiplier": 1, "learning_rate": c.learning_rate, "batch_size": c.batch_size}
         )
-    real_step, held, losses, sizes = PackedTrainer.step, [], {}, {}
-
-    def step(self):
-        labels = {a: self.jobs[a].config.label() for a in self.jobs}
-        reports = real_step(self)
-        held.append(sorted(labels.values()))
-        for r in reports:
-            losses.setdefault(labels[r.adapter_id], []).append((r.step, r.loss))
-        return reports
+    held, losses, sizes = [], {}, {}
+    step = recording_step(held, losses)
 
     with pytest.MonkeyPatch.context() as patch:
 
