@@ -1038,7 +1038,7 @@ class _Pack:
         """The members the waiting trial trains instead of: the first of ``eligible`` (members far
         enough ahead, fewest steps left first) that it fits in place of; else, for a trial larger
         than any one of them, as many of them, in that order, as make room for it, so that a
-        large trial waits no longer than a small one; None if even all of them do not."""
+        large trial does not wait for the small ones to end; None if even all of them do not."""
         single = next((a for a in eligible if self._fits_instead(ticket, (a,))), None)
         if single is not None:
             return (single,)
