@@ -341,7 +341,9 @@ def write_sweep_file(path: Path, model_dir: Path, task: str, steps: int, n_trial
 def run_sweep(
     args, sweep_file: Path, run_dir: Path, sampler: GpuSampler, timeout_s: float, stem: str = "sweep"
 ) -> dict:
-    """The CLI sweep in a process of its own; ``stem`` names its log and timeline under ``$OUT``."""
+    """The CLI sweep in a process of its own; ``stem`` names its log and timeline under ``$OUT``.
+    A sweep still running after ``timeout_s`` is killed: its record then holds the phases it ran
+    (``ran_s``, the timeline so far) and no trials or wall time."""
     timeline = args.out / f"{stem}.timeline.jsonl"  # under $OUT: a call cut short still returns the phases so far
     timeline.unlink(missing_ok=True)
     argv = ["sweep", str(sweep_file), "--run-dir", str(run_dir), "--data-dir", str(args.data_dir)]
@@ -352,30 +354,39 @@ def run_sweep(
     print(f"[{stem}] plora-hpo {' '.join(shlex.quote(a) for a in argv)}", flush=True)
     start = time.time()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s)
+        try:
+            returncode: int | str = subprocess.run(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout_s
+            ).returncode
+        except subprocess.TimeoutExpired:
+            returncode = "timeout"
     end = time.time()
     tail = log_path.read_text()[-3000:]
     result = {
         "command": "plora-hpo " + " ".join(shlex.quote(a) for a in argv),
-        "returncode": proc.returncode,
-        "wall_s": end - start,
+        "returncode": returncode,
+        "wall_s": end - start if returncode == 0 else None,
+        "ran_s": end - start,
         "start": start,
         "end": end,
-        "log_tail": tail if proc.returncode else tail[-800:],
+        "log_tail": tail if returncode else tail[-800:],
         "gpu_util_mean": sampler.mean_util(start, end),
         "gpu_peak_used_gib": sampler.peak_gib(start, end),
         "gpu_used_gib_before": sampler.used_gib_before(start),
     }
-    print(f"[{stem}] rc={proc.returncode} wall {end - start:.1f}s", flush=True)
-    if proc.returncode != 0:
+    if returncode == "timeout":
+        result["error"] = f"still running after {timeout_s:.0f}s"
+    print(f"[{stem}] rc={returncode} {'wall' if returncode == 0 else 'ran'} {end - start:.1f}s", flush=True)
+    events = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
+    if events:  # a sweep killed or failed part-way still shows where its time went
+        result["timeline"] = summarize_timeline(events, start, end, sampler.samples)
+        result["events"] = events
+        steps = [(e["start"], e["end"]) for e in events if e["phase"] == "train"]
+        result["gpu_util_mean_training_steps"] = sampler.mean_util_during(steps)
+    if returncode != 0:
         print(tail, flush=True)
         return result
     result["trials"] = read_trials(run_dir, sweep_file, start)
-    events = [json.loads(line) for line in timeline.read_text().splitlines()] if timeline.exists() else []
-    result["timeline"] = summarize_timeline(events, start, end, sampler.samples)
-    result["events"] = events
-    steps = [(e["start"], e["end"]) for e in events if e["phase"] == "train"]
-    result["gpu_util_mean_training_steps"] = sampler.mean_util_during(steps)
     packs = run_dir / "packs" / "packs.json"
     if packs.exists():
         segs = json.loads(packs.read_text())
@@ -1076,7 +1087,7 @@ def plot(result: dict, path: Path) -> None:
         ax2.plot([s[0] - start for s in samples], [s[1] for s in samples], lw=0.8)
     ax2.set_ylabel("GPU util %")
     ax2.set_xlabel("seconds since the sweep command started")
-    ax2.set_xlim(0, sweep["wall_s"])
+    ax2.set_xlim(0, sweep["ran_s"])
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -1138,8 +1149,9 @@ def print_table(result: dict) -> None:
     sweep = result["sweep"]
     print("\n=== sweep_e2e", result["workload"], "===")
     print(f"{'what':34s} {'makespan s':>11s} {'vs sweep':>9s}  note")
+    ran = "" if sweep["returncode"] == 0 else f" after {sweep['ran_s']:.0f}s"
     print(f"{'plora-hpo sweep (measured)':34s} {s['sweep_makespan_s'] or float('nan'):11.1f} {1.0:9.2f}  "
-          f"rc={sweep['returncode']}, GPU util {s.get('gpu_util_mean_sweep') or float('nan'):.2f} "
+          f"rc={sweep['returncode']}{ran}, GPU util {s.get('gpu_util_mean_sweep') or float('nan'):.2f} "
           f"({s.get('gpu_util_mean_training_steps') or float('nan'):.2f} in training steps); GPU memory in use "
           f"before it {s.get('gpu_used_gib_before_sweep') or float('nan'):.2f} GiB")  # fmt: skip
     for kind in ("sequential", "colocated"):
@@ -1370,17 +1382,12 @@ def main(argv=None) -> None:
     with GpuSampler() as sampler:
         if device == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        try:
-            result["sweep"] = run_sweep(args, sweep_file, work / "runs", sampler, min(args.sweep_timeout_s, left()))
-        except subprocess.TimeoutExpired as exc:
-            result["sweep"] = {
-                "returncode": "timeout",
-                "wall_s": None,
-                "error": f"still running after {exc.timeout:.0f}s",
-            }
-            print(f"[sweep] {result['sweep']['error']}; see sweep.log and sweep.timeline.jsonl", flush=True)
+        result["sweep"] = run_sweep(args, sweep_file, work / "runs", sampler, min(args.sweep_timeout_s, left()))
         save()
         trials = result["sweep"].get("trials", [])
+        if not trials:
+            rc = result["sweep"]["returncode"]
+            skipped.append(f"the stages that compare with its trials: the sweep recorded none (rc={rc})")
         if trials:  # with the calibration the sweep just recorded: a forecast for the next one
             result["planner"] = {
                 "note": "predicted: plora-hpo plan's makespan for the sweep file on one device (training packs "
@@ -1394,14 +1401,10 @@ def main(argv=None) -> None:
         if args.again and trials:
             wall = result["sweep"]["wall_s"]
             if left() > wall + 30:
-                try:
-                    again = run_sweep(
-                        args, sweep_file, work / "runs-again", sampler, min(args.sweep_timeout_s, left()), "sweep-again"
-                    )
-                    again.pop("events", None)  # its phases are in sweep-again.timeline.jsonl
-                except subprocess.TimeoutExpired as exc:
-                    error = f"still running after {exc.timeout:.0f}s"
-                    again = {"returncode": "timeout", "wall_s": None, "error": error}
+                again = run_sweep(
+                    args, sweep_file, work / "runs-again", sampler, min(args.sweep_timeout_s, left()), "sweep-again"
+                )
+                again.pop("events", None)  # its phases are in sweep-again.timeline.jsonl
                 result["sweep_again"] = again
                 save()
             else:
