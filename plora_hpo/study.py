@@ -158,6 +158,10 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
     Once a round has proposed its last trial, the sweep's pool holds every trial left
     (:attr:`~plora_hpo.trials.TrialPool.last_round`), so a full pack may rotate them
     (``pack.rotate``).
+
+    A trial that another process failed as stale while this one trained it (its heartbeats had
+    lapsed) has its retry queued; Optuna refuses this process's result for it, which ends that
+    round, and the next round goes on with the trials left (:attr:`PackedObjective.taken_over`).
     """
     n_jobs = objective.sweep.concurrency
     objective.warn_if_serial = False  # n_jobs below is as many as there are trials to do
@@ -173,8 +177,19 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
             todo = waiting + max(0, n_trials - finished - running - waiting)
             if todo:
                 objective.expect_calls(todo)
-                with contextlib.suppress(TrialBudgetReached):  # other processes took what this one would ask
-                    study.optimize(objective, n_trials=todo, n_jobs=min(n_jobs, todo), catch=())
+                taken = len(objective.taken_over)
+                try:
+                    with contextlib.suppress(TrialBudgetReached):  # other processes took what this one would ask
+                        study.optimize(objective, n_trials=todo, n_jobs=min(n_jobs, todo), catch=())
+                except ValueError as err:  # "Cannot tell a FAIL trial": a trial taken over meanwhile
+                    if len(objective.taken_over) == taken:
+                        raise
+                    log.warning(
+                        "trials %s were failed as stale by another process while this one trained them "
+                        "(their heartbeats had lapsed: %s); their retries train them",
+                        objective.taken_over[taken:],
+                        first_line(err),
+                    )
             elif running:
                 time.sleep(poll_seconds)
             else:
@@ -306,6 +321,10 @@ class PackedObjective:
         ``n_jobs=1`` only for the last trial to do."""
         self._calls_left: int | None = None  # calls the current round of serve() still makes
         self._calls_lock = threading.Lock()
+        self.taken_over: list[int] = []
+        """Trials another process finished while this one trained them: it failed them as stale
+        (their heartbeats had lapsed) and queued their retries. Optuna then refuses this process's
+        result and :func:`serve` goes on with the trials left."""
 
     def expect_calls(self, calls: int | None) -> None:
         """The next ``calls`` calls are all there will be (None: unknown): once the last of them
@@ -344,6 +363,10 @@ class PackedObjective:
                 record_failure(trial, outcome)
             else:
                 record_outcome(trial, outcome, params)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            with self._calls_lock:
+                self.taken_over.append(trial.number)
+            raise
         except Exception as err:
             # The sweep stopped (closed, preempted) or a disk filled, here or in what recorded the
             # trial: any process serving the study resumes it. A FAIL would count as done.

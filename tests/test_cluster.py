@@ -80,10 +80,12 @@ def test_workers_on_a_shared_postgresql_storage_train_each_trial_once(tmp_path, 
     # the sweep's own pack holds 2 of the 6 trials for 12 steps: time for the workers to load and join
     sweep_file = small_sweep(tmp_path, name=name, space=SPACE, budget={"steps": 12}, pack={"size": 2})
     run_dir = tmp_path / "runs"
+    # no process dies here: heartbeats every 5 s, so that only 30 s without one would count a live
+    # worker's trial as stale and retry it (a loaded 2-core machine has stalled past the 12 s of 2-s ones)
     sweep = start_cli(["sweep", str(sweep_file), "--run-dir", str(run_dir), "--storage", storage, "--device", "cpu",
-                   "--heartbeat", "2"], tmp_path / "sweep.log")  # fmt: skip
+                   "--heartbeat", "5"], tmp_path / "sweep.log")  # fmt: skip
     wait_for(lambda: len(trials(storage, name)) == 6, sweep, tmp_path / "sweep.log")  # the grid is queued
-    join = ["worker", "--storage", storage, "--study", f"{name}-synthetic", "--heartbeat", "2"]
+    join = ["worker", "--storage", storage, "--study", f"{name}-synthetic", "--heartbeat", "5"]
     workers = [start_cli(join, tmp_path / f"worker{i}.log") for i in range(2)]
     for proc, log in [(sweep, "sweep.log"), (workers[0], "worker0.log"), (workers[1], "worker1.log")]:
         assert finish(proc, tmp_path / log) == 0, (tmp_path / log).read_text()[-3000:]

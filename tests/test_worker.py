@@ -612,3 +612,42 @@ def test_a_large_waiting_trial_takes_the_place_of_several_small_members(tmp_path
         assert [s for s, _ in curve] == list(range(1, 13)), label  # every step once, in order
         assert [loss for _, loss in curve] == pytest.approx([loss for _, loss in plain_losses[label]], rel=1e-4)
     assert values == pytest.approx(plain_values, rel=1e-4)
+
+
+def test_serve_goes_on_when_another_process_fails_a_trial_it_trains_as_stale(tmp_path):
+    """Another process fails a trial as stale (as after a lapse of its heartbeats) while this one
+    trains it, and queues its retry: Optuna refuses this process's result for it, and serve goes
+    on and trains the retry instead of ending with "Cannot tell a FAIL trial"."""
+    from plora_hpo.storage import open_storage, requeue
+
+    sweep, study, _ = open_sweep(tmp_path, "taken", budget={"steps": 3}, pack={"size": 2})
+    other = optuna.load_study(
+        study_name=study.study_name, storage=open_storage(f"sqlite:///{tmp_path / 'taken-optuna.db'}")
+    )
+    failed: list[int] = []
+    real_step = PackedTrainer.step
+
+    def step(self):
+        reports = real_step(self)
+        if not failed:  # after the first pack step, from the other process's own storage
+            victim = min(
+                (t for t in other.get_trials(deepcopy=False) if t.state == TrialState.RUNNING), key=lambda t: t.number
+            )
+            other._storage.set_trial_state_values(victim._trial_id, TrialState.FAIL)
+            requeue(other, victim)
+            failed.append(victim.number)
+        return reports
+
+    objective = PackedObjective(sweep, "synthetic")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PackedTrainer, "step", step)
+        try:
+            serve(study, objective, n_trials=2)
+        finally:
+            sweep.close()
+    assert objective.taken_over == failed
+    states = {t.number: t.state for t in study.trials}
+    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed[0]]
+    assert states[failed[0]] == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    assert len(states) == 3 and list(states.values()).count(TrialState.COMPLETE) == 2  # the other one, the retry
+    assert retry.params == study.trials[failed[0]].params
