@@ -364,8 +364,7 @@ class PackedObjective:
             else:
                 record_outcome(trial, outcome, params)
         except optuna.exceptions.UpdateFinishedTrialError:
-            with self._calls_lock:
-                self.taken_over.append(trial.number)
+            self.taken_over.append(trial.number)  # one append: atomic beside the other calls' threads
             raise
         except Exception as err:
             # The sweep stopped (closed, preempted) or a disk filled, here or in what recorded the

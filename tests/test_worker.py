@@ -487,6 +487,16 @@ def recording_step(held: list, losses: dict):
     return step
 
 
+def assert_trained_as_without_rotation(losses, plain_losses, values, plain_values, trials):
+    """Every adapter trained each of its 12 steps once, in order, with the losses and final value
+    of the run without rotation."""
+    assert set(losses) == set(plain_losses) and len(losses) == trials
+    for label, curve in losses.items():
+        assert [s for s, _ in curve] == list(range(1, 13)), label
+        assert [loss for _, loss in curve] == pytest.approx([loss for _, loss in plain_losses[label]], rel=1e-4)
+    assert values == pytest.approx(plain_values, rel=1e-4)
+
+
 def rotation_run(tmp_path, name, rotate, shrink_after=None):
     """Five trials asked at once where three fit (memory for three): the adapters each pack step
     held, each adapter's (step, loss) records, and each trial's value. ``shrink_after``: after that
@@ -532,11 +542,7 @@ def test_a_full_pack_rotates_the_last_trials_instead_of_training_them_alone_afte
     assert len(plain_held) == 24 and [len(h) for h in plain_held] == [3] * 12 + [2] * 12  # two left to the end
     assert len(held) < 24 and max(len(h) for h in held) == 3  # never more than fit
     assert sum(len(h) == 3 for h in held) > 12  # the pack stayed full longer
-    assert set(losses) == set(plain_losses) and len(losses) == 5
-    for label, curve in losses.items():
-        assert [s for s, _ in curve] == list(range(1, 13)), label  # every step once, in order
-        assert [loss for _, loss in curve] == pytest.approx([loss for _, loss in plain_losses[label]], rel=1e-4)
-    assert values == pytest.approx(plain_values, rel=1e-4)
+    assert_trained_as_without_rotation(losses, plain_losses, values, plain_values, trials=5)
 
 
 def test_rotation_goes_on_when_the_running_pack_is_predicted_above_the_limit(tmp_path):
@@ -607,11 +613,7 @@ def test_a_large_waiting_trial_takes_the_place_of_several_small_members(tmp_path
     displaced = [(i, set(held[i - 1]) - set(held[i])) for i in comebacks]
     assert any(len(out) >= 2 and all(any(m in h for h in held[i:]) for m in out) for i, out in displaced)
     assert len(held) < len(plain_held)  # fewer pack steps than without rotation
-    assert set(losses) == set(plain_losses) and len(losses) == 4
-    for label, curve in losses.items():
-        assert [s for s, _ in curve] == list(range(1, 13)), label  # every step once, in order
-        assert [loss for _, loss in curve] == pytest.approx([loss for _, loss in plain_losses[label]], rel=1e-4)
-    assert values == pytest.approx(plain_values, rel=1e-4)
+    assert_trained_as_without_rotation(losses, plain_losses, values, plain_values, trials=4)
 
 
 def test_serve_goes_on_when_another_process_fails_a_trial_it_trains_as_stale(tmp_path):
