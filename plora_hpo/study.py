@@ -37,7 +37,7 @@ from plora_hpo.storage import (
 )
 from plora_hpo.sweep import PackedSweep
 from plora_hpo.tasks import Direction, TaskSpec
-from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest
+from plora_hpo.trials import TrialInterrupted, TrialOutcome, TrialRequest, TrialTicket, TrialWithdrawn
 
 log = logging.getLogger(__name__)
 
@@ -160,8 +160,9 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
     (``pack.rotate``).
 
     A trial that another process failed as stale while this one trained it (its heartbeats had
-    lapsed) has its retry queued; Optuna refuses this process's result for it, which ends that
-    round, and the next round goes on with the trials left (:attr:`PackedObjective.taken_over`).
+    lapsed) has its retry queued; this process lets it go (:meth:`PackedObjective._await`), and
+    Optuna refuses any result for it, which ends that round; the next round goes on with the
+    trials left (:attr:`PackedObjective.taken_over`).
     """
     n_jobs = objective.sweep.concurrency
     objective.warn_if_serial = False  # n_jobs below is as many as there are trials to do
@@ -281,9 +282,18 @@ def trial_request(trial: optuna.Trial, task: str, config: Any, pruning: bool) ->
         lineage = trial.number
         trial.set_user_attr("lineage", lineage)
 
+    # Both run on the worker's thread. Another process may have finished the trial meanwhile
+    # (taken it over): Optuna refuses the write, and the objective lets the trial go.
     def should_prune(step: int, value: float) -> bool:
-        trial.report(value, step)
+        try:
+            trial.report(value, step)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            return False
         return trial.should_prune()
+
+    def on_started(run_id: str) -> None:
+        with contextlib.suppress(optuna.exceptions.UpdateFinishedTrialError):
+            trial.set_user_attr("mlflow_run_id", run_id)
 
     return TrialRequest(
         task,
@@ -292,7 +302,7 @@ def trial_request(trial: optuna.Trial, task: str, config: Any, pruning: bool) ->
         lineage=lineage,
         run_id=trial.user_attrs.get("mlflow_run_id"),
         should_prune=should_prune if pruning else None,
-        on_started=lambda run_id: trial.set_user_attr("mlflow_run_id", run_id),
+        on_started=on_started,
     )
 
 
@@ -323,8 +333,8 @@ class PackedObjective:
         self._calls_lock = threading.Lock()
         self.taken_over: list[int] = []
         """Trials another process finished while this one trained them: it failed them as stale
-        (their heartbeats had lapsed) and queued their retries. Optuna then refuses this process's
-        result and :func:`serve` goes on with the trials left."""
+        (their heartbeats had lapsed) and queued their retries. This process let them go, Optuna
+        refuses any result for them, and :func:`serve` goes on with the trials left."""
 
     def expect_calls(self, calls: int | None) -> None:
         """The next ``calls`` calls are all there will be (None: unknown): once the last of them
@@ -353,7 +363,7 @@ class PackedObjective:
         try:
             ticket = self.sweep.submit(trial_request(trial, self.task, config, self.pruning))
             self._called()
-            outcome = ticket.wait()
+            outcome = self._await(trial, ticket)
             if outcome.pruned:
                 record_outcome(trial, outcome, params)
                 raise optuna.TrialPruned(f"pruned at step {outcome.pruned_at} ({outcome.value:.4f})")
@@ -363,7 +373,7 @@ class PackedObjective:
                 record_failure(trial, outcome)
             else:
                 record_outcome(trial, outcome, params)
-        except optuna.exceptions.UpdateFinishedTrialError:
+        except (optuna.exceptions.UpdateFinishedTrialError, TrialWithdrawn):
             self.taken_over.append(trial.number)  # one append: atomic beside the other calls' threads
             raise
         except Exception as err:
@@ -378,6 +388,24 @@ class PackedObjective:
                 log.info("trial %d: cannot queue its retry (%s)", trial.number, first_line(refused))
             raise
         return trial_values(self.sweep.config, outcome, params)
+
+    def _await(self, trial: optuna.Trial, ticket: TrialTicket) -> TrialOutcome:
+        """The trial's outcome. Meanwhile, as often as its heartbeat is recorded, a look at its state
+        in the storage: a trial that another process finished (failed as stale after its heartbeats
+        lapsed, its retry queued) is withdrawn, and its worker lets it go at its next step boundary
+        instead of training it beside its retry (:meth:`~plora_hpo.trials.TrialPool.withdraw`)."""
+        storage = trial.study._storage
+        interval = getattr(storage, "get_heartbeat_interval", lambda: None)()
+        while interval is not None and not ticket.done(interval):
+            try:
+                state = storage.get_trial(trial._trial_id).state
+            except Exception as err:  # a storage outage: the trial's next write meets it
+                log.info("trial %d: its state could not be read (%s)", trial.number, first_line(err))
+                continue
+            if state != optuna.trial.TrialState.RUNNING:
+                self.sweep.pool.withdraw(ticket, f"another process set trial {trial.number} {state.name}")
+                break
+        return ticket.wait()
 
 
 # --- explicit batches ---------------------------------------------------------------------------

@@ -93,12 +93,20 @@ class TrialOutcome:
 
 
 class TrialTicket:
-    """A queued request and, once a worker is done with it, its outcome or error."""
+    """A queued request and, once a worker is done with it, its outcome or error.
+
+    A ticket is withdrawn (:meth:`withdraw`) when its trial is no longer this process's to train:
+    another process finished it (failed it as stale and trains its retry). The worker holding it
+    lets it go at its next step boundary, writing nothing of it: no checkpoint, no MLflow report,
+    no adapter, since the retry continues that lineage and that run.
+    """
 
     def __init__(self, request: TrialRequest) -> None:
         self.request = request
         self.outcome: TrialOutcome | None = None
         self.error: BaseException | None = None
+        self.withdrawn: str | None = None
+        """Why the trial is not this process's any more (None: it is)."""
         self._done = threading.Event()
 
     def finish(self, outcome: TrialOutcome) -> None:
@@ -108,6 +116,13 @@ class TrialTicket:
     def fail(self, error: BaseException) -> None:
         self.error = error
         self._done.set()
+
+    def withdraw(self, reason: str) -> None:
+        self.withdrawn = reason
+
+    def done(self, timeout: float | None = None) -> bool:
+        """Whether the outcome or error is in, waiting up to ``timeout`` seconds for it."""
+        return self._done.wait(timeout)
 
     def wait(self) -> TrialOutcome:
         self._done.wait()
@@ -119,6 +134,10 @@ class TrialTicket:
 
 class TrialInterrupted(Exception):
     """A trial was queued or training when the sweep closed; its checkpoint lets a rerun resume it."""
+
+
+class TrialWithdrawn(Exception):
+    """Another process finished the trial while this one held it (:meth:`TrialTicket.withdraw`)."""
 
 
 class PoolClosed(Exception):
@@ -227,6 +246,19 @@ class TrialPool:
             PoolClosed: the sweep is closing.
         """
         return bool(self.take(lambda waiting: ([i for i, t in enumerate(waiting) if t is ticket], [])))
+
+    def withdraw(self, ticket: TrialTicket, reason: str) -> None:
+        """Let go of a trial that another process took over: at once if it still waits here (its
+        ticket gets :class:`TrialWithdrawn`), else at its worker's next step boundary
+        (:meth:`TrialTicket.withdraw`)."""
+        ticket.withdraw(reason)
+        with self._cond:
+            if ticket not in self._waiting:
+                return
+            self._waiting.remove(ticket)
+            self.version += 1
+            self._cond.notify_all()
+        ticket.fail(TrialWithdrawn(f"{ticket.request.adapter_id}: {reason}"))
 
     def claim(self) -> list[TrialTicket]:
         """A pack reserved for an idle worker (oldest first), or ``[]``.

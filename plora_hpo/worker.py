@@ -15,7 +15,8 @@ copies each out of the pack and frees its slot, while threads of its own write t
 (``exporter``), then report its run and hand its trial the outcome (``finisher``); feeds warm step times back into
 its cost model. A step that runs out of device memory is undone and the pack split: the adapters
 that still fit (by the corrected memory estimate) train on, the others wait in host memory and
-rejoin when room frees up.
+rejoin when room frees up. A trial that another process took over (its ticket withdrawn) leaves
+at the next step boundary, and nothing more of it is written here.
 
 Everything the worker tells the outside goes through its reporter, progress hooks and trial
 tickets; it never calls back into the sweep that built it.
@@ -68,7 +69,7 @@ from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources,
 from plora_hpo.tasks import padded_length
 from plora_hpo.timeline import enabled as timeline_enabled
 from plora_hpo.timeline import phase, watch_triton_compiles
-from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool
+from plora_hpo.trials import PackProgress, PoolClosed, TrialInterrupted, TrialOutcome, TrialPool, TrialWithdrawn
 
 if TYPE_CHECKING:
     from plora_hpo.adapter import AdapterConfig
@@ -557,6 +558,9 @@ class _Pack:
 
     def _join(self, ticket: TrialTicket, state: AdapterState | None) -> None:
         request = ticket.request
+        if ticket.withdrawn is not None:  # taken over while it waited
+            self._withdraw(ticket)
+            return
         run_id = None
         try:
             store = self.worker.checkpoints(request.task)
@@ -601,6 +605,29 @@ class _Pack:
         self.drop_adapter(adapter_id)
         del self.slots[adapter_id]
         self._composition_changed()
+
+    def _let_go_withdrawn(self) -> None:
+        """Members and parked trials another process took over leave (:meth:`_withdraw`)."""
+        for adapter_id, slot in list(self.slots.items()):
+            if slot.ticket.withdrawn is not None:
+                with phase("leave"):
+                    self._leave(adapter_id)
+                self._withdraw(slot.ticket)
+        if any(ticket.withdrawn is not None for ticket, _ in self.worker.parked):
+            for ticket, _ in self.worker.parked:
+                if ticket.withdrawn is not None:
+                    self._withdraw(ticket)
+            self.worker.parked = deque(entry for entry in self.worker.parked if entry[0].withdrawn is None)
+
+    def _withdraw(self, ticket: TrialTicket) -> bool:
+        """If another process took the ticket's trial over, hand the ticket :class:`TrialWithdrawn`
+        and say so (True): its retry continues the lineage's checkpoint and the MLflow run, so
+        nothing of it is written here, and its checkpoint stays."""
+        if ticket.withdrawn is None:
+            return False
+        log.warning("%s: %s leaves: %s", self.worker.name, ticket.request.adapter_id, ticket.withdrawn)
+        ticket.fail(TrialWithdrawn(f"{ticket.request.adapter_id}: {ticket.withdrawn}"))
+        return True
 
     def _composition_changed(self) -> None:
         self._composition += 1
@@ -663,6 +690,7 @@ class _Pack:
             progress.pack_started(self.pack_id, len(self.slots), self._furthest_step())
             started = True
             while self.slots:
+                self._let_go_withdrawn()
                 self._collect_done()  # trials resumed at their last step need no more training
                 if self.trainer.jobs:
                     self._step()
@@ -831,6 +859,7 @@ class _Pack:
             if a in stepped
             and self.trainer.steps_done[a] % pruning.interval == 0
             and self.slots[a].request.should_prune is not None
+            and self.slots[a].ticket.withdrawn is None
         ]
         if not due:
             return
@@ -870,6 +899,8 @@ class _Pack:
     ) -> None:
         """On the export thread: the finished adapter's files; its run's last report and its trial's
         result are then queued for the finishing thread (:meth:`_report_completed`)."""
+        if self._withdraw(slot.ticket):
+            return
         with self._recording(slot, self.worker.adapter_root, "a finished adapter"), phase("export"):
             adapter_dir = write()
         self.worker.finisher.submit(functools.partial(self._report_completed, slot, outcome, adapter_dir, stats))
@@ -877,6 +908,8 @@ class _Pack:
     def _report_completed(self, slot: _Slot, outcome: TrialOutcome, adapter_dir: Path, stats: PackStats) -> None:
         """On the finishing thread: the finished trial's run gets its last report, then the trial its result.
         A full tracking store resumes the trial as a full adapter disk does; the store may live anywhere."""
+        if self._withdraw(slot.ticket):
+            return
         with self._recording(slot, None, "the MLflow run of a finished trial"), phase("mlflow"):
             adapter_dir = self.reporter.trial_completed(slot, self.pack_id, outcome.metrics, adapter_dir, stats)
         self._settle(slot, dataclasses.replace(outcome, adapter_dir=adapter_dir))

@@ -10,7 +10,7 @@ import pytest
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.admission import Candidate, FifoAdmission, PlannerAdmission, Room, make_admission
 from plora_hpo.planner import CostModel, GpuSpec, Workload, resolve_model
-from plora_hpo.trials import PoolClosed, TrialPool, TrialRequest, TrialTicket
+from plora_hpo.trials import PoolClosed, TrialPool, TrialRequest, TrialTicket, TrialWithdrawn
 
 GIB = 2**30
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -156,6 +156,22 @@ def test_a_named_waiting_ticket_is_taken_once_and_the_snapshot_keeps_the_order()
     pool.close()
     with pytest.raises(PoolClosed):
         pool.take_ticket(tickets[0])
+
+
+def test_a_withdrawn_waiting_ticket_leaves_the_pool_at_once_and_a_taken_one_is_only_marked():
+    pool = TrialPool()
+    tickets = [ticket(n) for n in range(3)]
+    for t in tickets:
+        pool.put(t)
+    [taken] = pool.take(lambda waiting: ([0], []))  # a worker holds it now
+    version = pool.version
+    pool.withdraw(tickets[1], "another process set trial 1 FAIL")
+    assert pool.waiting() == [tickets[2]] and pool.version == version + 1
+    with pytest.raises(TrialWithdrawn, match="another process set trial 1 FAIL"):
+        tickets[1].wait()
+    pool.withdraw(taken, "another process set trial 0 FAIL")
+    assert taken.withdrawn == "another process set trial 0 FAIL" and not taken.done(0)  # its worker lets it go
+    assert tickets[2].withdrawn is None and pool.version == version + 1
 
 
 def test_two_workers_never_take_one_trial():

@@ -653,3 +653,54 @@ def test_serve_goes_on_when_another_process_fails_a_trial_it_trains_as_stale(tmp
     assert states[failed[0]] == TrialState.FAIL and retry.state == TrialState.COMPLETE
     assert len(states) == 3 and list(states.values()).count(TrialState.COMPLETE) == 2  # the other one, the retry
     assert retry.params == study.trials[failed[0]].params
+
+
+def test_a_trial_another_process_takes_over_leaves_its_pack_and_keeps_its_checkpoint(tmp_path):
+    """Another process fails a trial as stale while this one trains it, and queues its retry: at
+    its next look at the storage (as often as the heartbeat) this process lets the trial go at a
+    step boundary instead of training it to the end beside its retry, and keeps its checkpoint,
+    from which the retry resumes; the pack's other member trains on."""
+    from plora_hpo.storage import open_storage, requeue
+
+    steps = 16
+    sweep, _, _ = open_sweep(
+        tmp_path, "withdrawn", budget={"steps": steps}, pack={"size": 2}, train={"checkpoint_every": 1}
+    )
+    study = create_study(sweep.config, "synthetic", f"sqlite:///{tmp_path / 'withdrawn-optuna.db'}", heartbeat=1)
+    other = optuna.load_study(
+        study_name=study.study_name, storage=open_storage(f"sqlite:///{tmp_path / 'withdrawn-optuna.db'}")
+    )
+    failed: list[int] = []
+    members: list[set[str]] = []  # each step's adapters
+    real_step = PackedTrainer.step
+
+    def step(self):
+        members.append(set(self.jobs))
+        reports = real_step(self)
+        if not failed:  # after the first pack step, from the other process's own storage
+            victim = min(
+                (t for t in other.get_trials(deepcopy=False) if t.state == TrialState.RUNNING), key=lambda t: t.number
+            )
+            other._storage.set_trial_state_values(victim._trial_id, TrialState.FAIL)
+            requeue(other, victim)
+            failed.append(victim.number)
+        time.sleep(0.25)  # a step long enough that the trial's look at the storage comes well before its end
+        return reports
+
+    objective = PackedObjective(sweep, "synthetic")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PackedTrainer, "step", step)
+        try:
+            serve(study, objective, n_trials=2)
+        finally:
+            sweep.close()
+    assert objective.taken_over == failed
+    [victim_id] = [a for a in members[0] if f"-t{failed[0]}-" in a]
+    trained = next((i for i, ids in enumerate(members) if victim_id not in ids), len(members))  # steps before it left
+    assert 1 <= trained < steps
+    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed[0]]
+    assert retry.state == TrialState.COMPLETE and study.trials[failed[0]].state == TrialState.FAIL
+    assert 1 <= retry.user_attrs["resumed_from_step"] <= trained  # the checkpoint it left, not deleted
+    [kept] = [t for t in study.trials if t.number not in (failed[0], retry.number)]
+    assert kept.state == TrialState.COMPLETE
+    assert sum(f"-t{kept.number}-" in a for ids in members for a in ids) == steps  # it trained on, every step
