@@ -561,6 +561,7 @@ class _Pack:
         if ticket.withdrawn is not None:  # taken over while it waited
             self._withdraw(ticket)
             return
+        self._make_way_for_retry(ticket)
         run_id = None
         try:
             store = self.worker.checkpoints(request.task)
@@ -618,6 +619,18 @@ class _Pack:
                 if ticket.withdrawn is not None:
                     self._withdraw(ticket)
             self.worker.parked = deque(entry for entry in self.worker.parked if entry[0].withdrawn is None)
+
+    def _make_way_for_retry(self, ticket: TrialTicket) -> None:
+        """A trial that is here already under the joining trial's adapter name (its lineage) was
+        taken over, and this joining one is its retry: the predecessor leaves first, so the retry
+        resumes from the checkpoint it leaves."""
+        adapter_id = ticket.request.adapter_id
+        held = [s.ticket for a, s in self.slots.items() if a == adapter_id]
+        held += [t for t, _ in self.worker.parked if t.request.adapter_id == adapter_id]
+        for predecessor in held:
+            predecessor.withdraw(f"its retry, trial {ticket.request.number}, takes its place")
+        if held:
+            self._let_go_withdrawn()
 
     def _withdraw(self, ticket: TrialTicket) -> bool:
         """If another process took the ticket's trial over, hand the ticket :class:`TrialWithdrawn`

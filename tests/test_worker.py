@@ -704,3 +704,56 @@ def test_a_trial_another_process_takes_over_leaves_its_pack_and_keeps_its_checkp
     [kept] = [t for t in study.trials if t.number not in (failed[0], retry.number)]
     assert kept.state == TrialState.COMPLETE
     assert sum(f"-t{kept.number}-" in a for ids in members for a in ids) == steps  # it trained on, every step
+
+
+def test_a_retry_that_joins_beside_the_trial_it_retries_takes_its_place(tmp_path):
+    """This process takes the retry of a trial it still trains (another process failed that one
+    as stale, and this one has not looked yet): the retry takes its predecessor's place in the
+    pack, from its checkpoint, instead of training beside it under the same adapter name."""
+    from plora_hpo.storage import open_storage, requeue
+
+    space = {  # 16 examples: 8, 2 or 4 steps
+        "rank": {"choices": [8]},
+        "alpha_multiplier": {"choices": [1]},
+        "learning_rate": {"choices": [4e-4]},
+        "batch_size": {"choices": [2, 8, 4]},
+    }
+    sweep, study, _ = open_sweep(
+        tmp_path,
+        "retried",
+        budget={"epochs": 1, "max_train_examples": 16},
+        space=space,
+        pack={"size": 2},
+        train={"checkpoint_every": 1},
+    )
+    other = optuna.load_study(
+        study_name=study.study_name, storage=open_storage(f"sqlite:///{tmp_path / 'retried-optuna.db'}")
+    )
+    failed: list[int] = []
+    members: list[list[str]] = []
+    real_step = PackedTrainer.step
+
+    def step(self):
+        members.append(list(self.jobs))
+        reports = real_step(self)
+        if not failed:  # after the first step: the longest trial is taken over
+            running = [t for t in other.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+            victim = min(running, key=lambda t: t.params["batch_size"])
+            other._storage.set_trial_state_values(victim._trial_id, TrialState.FAIL)
+            requeue(other, victim)
+            failed.append(victim.number)
+        return reports
+
+    objective = PackedObjective(sweep, "synthetic")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(PackedTrainer, "step", step)
+        try:
+            serve(study, objective, n_trials=3)
+        finally:
+            sweep.close()
+    assert objective.taken_over == failed
+    assert all(len(ids) == len(set(ids)) for ids in members)
+    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed[0]]
+    assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from_step"] >= 2
+    finished = [t for t in study.trials if t.state == TrialState.COMPLETE]
+    assert sorted(t.params["batch_size"] for t in finished) == [2, 4, 8]
