@@ -160,9 +160,10 @@ def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, pol
     (``pack.rotate``).
 
     A trial that another process failed as stale while this one trained it (its heartbeats had
-    lapsed) has its retry queued; this process lets it go (:meth:`PackedObjective._await`), and
-    Optuna refuses any result for it, which ends that round; the next round goes on with the
-    trials left (:attr:`PackedObjective.taken_over`).
+    lapsed) has its retry queued; this process lets it go once it sees that (it looks at the
+    trial's state as often as it records its heartbeat), and Optuna refuses any result for it,
+    which ends that round; the next round goes on with the trials left
+    (:attr:`PackedObjective.taken_over`).
     """
     n_jobs = objective.sweep.concurrency
     objective.warn_if_serial = False  # n_jobs below is as many as there are trials to do
