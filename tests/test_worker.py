@@ -616,43 +616,54 @@ def test_a_large_waiting_trial_takes_the_place_of_several_small_members(tmp_path
     assert_trained_as_without_rotation(losses, plain_losses, values, plain_values, trials=4)
 
 
-def test_serve_goes_on_when_another_process_fails_a_trial_it_trains_as_stale(tmp_path):
-    """Another process fails a trial as stale (as after a lapse of its heartbeats) while this one
-    trains it, and queues its retry: Optuna refuses this process's result for it, and serve goes
-    on and trains the retry instead of ending with "Cannot tell a FAIL trial"."""
+def serve_with_a_takeover(url, sweep, study, n_trials, *, pick=None, step_seconds=0.0):
+    """Serve ``study`` while another process (a storage handle of its own on ``url``) fails one
+    RUNNING trial as stale after the first pack step and queues its retry, as after a lapse of
+    its heartbeats. ``pick`` chooses it among the RUNNING trials (default: the lowest number);
+    each step lasts at least ``step_seconds``. Returns the objective, the failed trial's number
+    and each step's adapters."""
     from plora_hpo.storage import open_storage, requeue
 
-    sweep, study, _ = open_sweep(tmp_path, "taken", budget={"steps": 3}, pack={"size": 2})
-    other = optuna.load_study(
-        study_name=study.study_name, storage=open_storage(f"sqlite:///{tmp_path / 'taken-optuna.db'}")
-    )
+    other = optuna.load_study(study_name=study.study_name, storage=open_storage(url))
     failed: list[int] = []
+    members: list[list[str]] = []
     real_step = PackedTrainer.step
 
     def step(self):
+        members.append(list(self.jobs))
+        started = time.monotonic()
         reports = real_step(self)
-        if not failed:  # after the first pack step, from the other process's own storage
-            victim = min(
-                (t for t in other.get_trials(deepcopy=False) if t.state == TrialState.RUNNING), key=lambda t: t.number
-            )
+        if not failed:
+            running = [t for t in other.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
+            victim = (pick or (lambda ts: min(ts, key=lambda t: t.number)))(running)
             other._storage.set_trial_state_values(victim._trial_id, TrialState.FAIL)
             requeue(other, victim)
             failed.append(victim.number)
+        time.sleep(max(0.0, step_seconds - (time.monotonic() - started)))
         return reports
 
     objective = PackedObjective(sweep, "synthetic")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(PackedTrainer, "step", step)
         try:
-            serve(study, objective, n_trials=2)
+            serve(study, objective, n_trials=n_trials)
         finally:
             sweep.close()
     assert objective.taken_over == failed
+    return objective, failed[0], members
+
+
+def test_serve_goes_on_when_another_process_fails_a_trial_it_trains_as_stale(tmp_path):
+    """Another process fails a trial as stale (as after a lapse of its heartbeats) while this one
+    trains it, and queues its retry: Optuna refuses this process's result for it, and serve goes
+    on and trains the retry instead of ending with "Cannot tell a FAIL trial"."""
+    sweep, study, _ = open_sweep(tmp_path, "taken", budget={"steps": 3}, pack={"size": 2})
+    _, failed, _ = serve_with_a_takeover(f"sqlite:///{tmp_path / 'taken-optuna.db'}", sweep, study, 2)
     states = {t.number: t.state for t in study.trials}
-    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed[0]]
-    assert states[failed[0]] == TrialState.FAIL and retry.state == TrialState.COMPLETE
+    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed]
+    assert states[failed] == TrialState.FAIL and retry.state == TrialState.COMPLETE
     assert len(states) == 3 and list(states.values()).count(TrialState.COMPLETE) == 2  # the other one, the retry
-    assert retry.params == study.trials[failed[0]].params
+    assert retry.params == study.trials[failed].params
 
 
 def test_a_trial_another_process_takes_over_leaves_its_pack_and_keeps_its_checkpoint(tmp_path):
@@ -660,48 +671,21 @@ def test_a_trial_another_process_takes_over_leaves_its_pack_and_keeps_its_checkp
     its next look at the storage (as often as the heartbeat) this process lets the trial go at a
     step boundary instead of training it to the end beside its retry, and keeps its checkpoint,
     from which the retry resumes; the pack's other member trains on."""
-    from plora_hpo.storage import open_storage, requeue
-
     steps = 16
     sweep, _, _ = open_sweep(
         tmp_path, "withdrawn", budget={"steps": steps}, pack={"size": 2}, train={"checkpoint_every": 1}
     )
-    study = create_study(sweep.config, "synthetic", f"sqlite:///{tmp_path / 'withdrawn-optuna.db'}", heartbeat=1)
-    other = optuna.load_study(
-        study_name=study.study_name, storage=open_storage(f"sqlite:///{tmp_path / 'withdrawn-optuna.db'}")
-    )
-    failed: list[int] = []
-    members: list[set[str]] = []  # each step's adapters
-    real_step = PackedTrainer.step
-
-    def step(self):
-        members.append(set(self.jobs))
-        reports = real_step(self)
-        if not failed:  # after the first pack step, from the other process's own storage
-            victim = min(
-                (t for t in other.get_trials(deepcopy=False) if t.state == TrialState.RUNNING), key=lambda t: t.number
-            )
-            other._storage.set_trial_state_values(victim._trial_id, TrialState.FAIL)
-            requeue(other, victim)
-            failed.append(victim.number)
-        time.sleep(0.25)  # a step long enough that the trial's look at the storage comes well before its end
-        return reports
-
-    objective = PackedObjective(sweep, "synthetic")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PackedTrainer, "step", step)
-        try:
-            serve(study, objective, n_trials=2)
-        finally:
-            sweep.close()
-    assert objective.taken_over == failed
-    [victim_id] = [a for a in members[0] if f"-t{failed[0]}-" in a]
+    url = f"sqlite:///{tmp_path / 'withdrawn-optuna.db'}"
+    study = create_study(sweep.config, "synthetic", url, heartbeat=1)
+    # steps long enough that the trial's look at the storage comes well before its end
+    _, failed, members = serve_with_a_takeover(url, sweep, study, 2, step_seconds=0.25)
+    [victim_id] = [a for a in members[0] if f"-t{failed}-" in a]
     trained = next((i for i, ids in enumerate(members) if victim_id not in ids), len(members))  # steps before it left
     assert 1 <= trained < steps
-    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed[0]]
-    assert retry.state == TrialState.COMPLETE and study.trials[failed[0]].state == TrialState.FAIL
+    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed]
+    assert retry.state == TrialState.COMPLETE and study.trials[failed].state == TrialState.FAIL
     assert 1 <= retry.user_attrs["resumed_from_step"] <= trained  # the checkpoint it left, not deleted
-    [kept] = [t for t in study.trials if t.number not in (failed[0], retry.number)]
+    [kept] = [t for t in study.trials if t.number not in (failed, retry.number)]
     assert kept.state == TrialState.COMPLETE
     assert sum(f"-t{kept.number}-" in a for ids in members for a in ids) == steps  # it trained on, every step
 
@@ -710,8 +694,6 @@ def test_a_retry_that_joins_beside_the_trial_it_retries_takes_its_place(tmp_path
     """This process takes the retry of a trial it still trains (another process failed that one
     as stale, and this one has not looked yet): the retry takes its predecessor's place in the
     pack, from its checkpoint, instead of training beside it under the same adapter name."""
-    from plora_hpo.storage import open_storage, requeue
-
     space = {  # 16 examples: 8, 2 or 4 steps
         "rank": {"choices": [8]},
         "alpha_multiplier": {"choices": [1]},
@@ -726,34 +708,15 @@ def test_a_retry_that_joins_beside_the_trial_it_retries_takes_its_place(tmp_path
         pack={"size": 2},
         train={"checkpoint_every": 1},
     )
-    other = optuna.load_study(
-        study_name=study.study_name, storage=open_storage(f"sqlite:///{tmp_path / 'retried-optuna.db'}")
+    _, failed, members = serve_with_a_takeover(  # the longest trial: the other one ends first
+        f"sqlite:///{tmp_path / 'retried-optuna.db'}",
+        sweep,
+        study,
+        3,
+        pick=lambda running: min(running, key=lambda t: t.params["batch_size"]),
     )
-    failed: list[int] = []
-    members: list[list[str]] = []
-    real_step = PackedTrainer.step
-
-    def step(self):
-        members.append(list(self.jobs))
-        reports = real_step(self)
-        if not failed:  # after the first step: the longest trial is taken over
-            running = [t for t in other.get_trials(deepcopy=False) if t.state == TrialState.RUNNING]
-            victim = min(running, key=lambda t: t.params["batch_size"])
-            other._storage.set_trial_state_values(victim._trial_id, TrialState.FAIL)
-            requeue(other, victim)
-            failed.append(victim.number)
-        return reports
-
-    objective = PackedObjective(sweep, "synthetic")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(PackedTrainer, "step", step)
-        try:
-            serve(study, objective, n_trials=3)
-        finally:
-            sweep.close()
-    assert objective.taken_over == failed
     assert all(len(ids) == len(set(ids)) for ids in members)
-    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed[0]]
+    [retry] = [t for t in study.trials if t.user_attrs.get("retry_of") == failed]
     assert retry.state == TrialState.COMPLETE and retry.user_attrs["resumed_from_step"] >= 2
     finished = [t for t in study.trials if t.state == TrialState.COMPLETE]
     assert sorted(t.params["batch_size"] for t in finished) == [2, 4, 8]
