@@ -7,6 +7,7 @@ them) import with torch alone.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -252,13 +253,9 @@ class TrialPool:
         ticket gets :class:`TrialWithdrawn`), else at its worker's next step boundary
         (:meth:`TrialTicket.withdraw`)."""
         ticket.withdraw(reason)
-        with self._cond:
-            if ticket not in self._waiting:
-                return
-            self._waiting.remove(ticket)
-            self.version += 1
-            self._cond.notify_all()
-        ticket.fail(TrialWithdrawn(f"{ticket.request.adapter_id}: {reason}"))
+        with contextlib.suppress(PoolClosed):  # closing: the sweep fails the tickets still waiting
+            if self.take_ticket(ticket):
+                ticket.fail(TrialWithdrawn(f"{ticket.request.adapter_id}: {reason}"))
 
     def claim(self) -> list[TrialTicket]:
         """A pack reserved for an idle worker (oldest first), or ``[]``.

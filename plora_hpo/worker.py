@@ -614,18 +614,18 @@ class _Pack:
                 with phase("leave"):
                     self._leave(adapter_id)
                 self._withdraw(slot.ticket)
-        if any(ticket.withdrawn is not None for ticket, _ in self.worker.parked):
-            for ticket, _ in self.worker.parked:
-                if ticket.withdrawn is not None:
-                    self._withdraw(ticket)
+        gone = [ticket for ticket, _ in self.worker.parked if ticket.withdrawn is not None]
+        if gone:
             self.worker.parked = deque(entry for entry in self.worker.parked if entry[0].withdrawn is None)
+            for ticket in gone:
+                self._withdraw(ticket)
 
     def _make_way_for_retry(self, ticket: TrialTicket) -> None:
         """A trial that is here already under the joining trial's adapter name (its lineage) was
         taken over, and this joining one is its retry: the predecessor leaves first, so the retry
         resumes from the checkpoint it leaves."""
         adapter_id = ticket.request.adapter_id
-        held = [s.ticket for a, s in self.slots.items() if a == adapter_id]
+        held = [self.slots[adapter_id].ticket] if adapter_id in self.slots else []
         held += [t for t, _ in self.worker.parked if t.request.adapter_id == adapter_id]
         for predecessor in held:
             predecessor.withdraw(f"its retry, trial {ticket.request.number}, takes its place")
