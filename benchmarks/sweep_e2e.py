@@ -416,7 +416,7 @@ def planner_prediction(
     if proc.returncode != 0:
         return {"command": "plora-hpo " + shlex.join(argv), "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
     plan = json.loads(proc.stdout)
-    keys = ("degree", "gpus", "configs", "step_seconds", "start", "end")
+    keys = ("degree", "gpus", "configs", "width", "step_seconds", "start", "end")
     return {
         "command": "plora-hpo " + shlex.join(argv),
         "makespan_s": plan["makespan"],

@@ -20,7 +20,7 @@ import yaml
 from pydantic import ValidationError
 
 from plora_hpo.adapter import AdapterConfig
-from plora_hpo.config import SpaceSpec, SweepConfig, load_sweep
+from plora_hpo.config import PackSpec, SpaceSpec, SweepConfig, load_sweep
 from plora_hpo.errors import ConfigError, PloraError, first_line
 from plora_hpo.planner.cost_model import GpuSpec
 from plora_hpo.planner.gantt import write_gantt
@@ -64,6 +64,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--load-factor", type=float, default=0.9, help="fraction of GPU memory to plan with")
     parser.add_argument("--checkpointing", action="store_true", help="plan with activation checkpointing")
+    parser.add_argument(
+        "--no-rotate",
+        action="store_true",
+        help="plan trials that do not fit in a full pack to wait for a free GPU, as a sweep with "
+        "pack.rotate: false or a pruner runs them (default: as the sweep file's pack settings, where "
+        "they take turns in the full pack)",
+    )
     parser.add_argument("--solver", choices=SOLVERS, default="auto", help="ILP solver (default: auto)")
     parser.add_argument("--gantt", help="where to write the Gantt chart PNG (default: plan-<file>.png)")
     parser.add_argument("--no-gantt", action="store_true", help="do not write a Gantt chart")
@@ -106,6 +113,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
         rows_of: SweepConfig | None = sweep  # its training rows, read once the cheap checks pass
         pack_size = args.max_pack_size or sweep.pack.size
         dtype_bytes = 4 if sweep.dtype == "float32" else 2
+        rotates = sweep.pack.rotate and sweep.pruning.pruner == "none" and sweep.pack.degree == 1
     else:
         try:
             spec = SpaceSpec.model_validate(data)
@@ -119,6 +127,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
         samples, model, targets, budget, task = args.samples, args.model, TARGET_MODULES, None, None
         rows_of = None
         pack_size, dtype_bytes = args.max_pack_size, 2
+        rotates = PackSpec().rotate  # what a sweep of this space does by default
     if not space.is_grid and samples is None:
         raise ConfigError(f"{path}: the space has ranges; pass --samples N to plan N sampled configs")
     if model is None:
@@ -151,6 +160,7 @@ def _plan_inputs(args: argparse.Namespace) -> tuple[list[AdapterConfig], dict[st
         "solver": args.solver,
         "allow_unschedulable": args.allow_unschedulable,
         "fill": True,  # the packs a sweep starts
+        "rotate": rotates and not args.no_rotate,
     }
     description = (
         f"{len(configs)} configs of {path} on {args.gpus} × {args.gpu_name} ({args.gpu_memory_gib:g} GiB, "
@@ -229,9 +239,10 @@ def _print_table(schedule: Schedule, description: str, gantt: Path | None) -> No
     print(f"{'pack':>4} {'deg':>3} {'gpus':<10} {'mem GiB':>7} {'step s':>7} {'start s':>8} {'end s':>8}  configs")
     for p in schedule.packs:
         gpus = _id_ranges(p.gpus)
+        turns = f" ({p.width} first, the rest by turns)" if p.width < len(p.configs) else ""
         print(
             f"{p.pack_id:>4} {p.degree:>3} {gpus:<10} {p.memory_bytes / 2**30:>7.1f} {p.step_seconds:>7.3f} "
-            f"{p.start:>8.0f} {p.end:>8.0f}  {len(p.configs)}: {_id_ranges(p.configs)}"
+            f"{p.start:>8.0f} {p.end:>8.0f}  {len(p.configs)}{turns}: {_id_ranges(p.configs)}"
         )
     b = schedule.baselines
     print(f"predicted makespan: {schedule.makespan:.0f} s ({schedule.makespan / 3600:.2f} h)")

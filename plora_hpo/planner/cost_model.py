@@ -280,6 +280,9 @@ class StepTerms:
     def __add__(self, other: StepTerms) -> StepTerms:
         return StepTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
+    def scaled(self, factor: float) -> StepTerms:
+        return StepTerms(*(getattr(self, f.name) * factor for f in fields(self)))
+
 
 @dataclass(frozen=True)
 class MemoryTerms:
@@ -563,6 +566,43 @@ class CostModel:
             total += (steps[k] - done) * self.step_seconds(alive, degree)
             done = steps[k]
         return total
+
+    def rotating_pack_seconds(
+        self,
+        configs: Sequence[AdapterConfig],
+        steps: Sequence[int],
+        *,
+        memory_limit: float,
+        max_members: int | None = None,
+        degree: int = 1,
+    ) -> float:
+        """Seconds until the last member finishes when the members take turns in a pack kept full
+        (a sweep's ``pack.rotate``): those far ahead wait while those furthest behind train, as
+        many at once as fit in ``memory_limit`` per GPU (and ``max_members``), so all end together
+        unless one member alone needs longer.
+
+        The pack runs as many steps as the longest member's, or as the work needs at full memory
+        (Σ steps × adapter bytes ÷ the bytes the base leaves) or at full count (Σ steps ÷
+        ``max_members``), whichever is most; each step carries on average Σ steps × terms ÷ those
+        steps of adapter work besides the fixed cost per step: exact for the additive terms, with
+        host/device overlap taken on that average step. Without turns (all fit at once) it is
+        :meth:`pack_seconds`.
+        """
+        if self.peak_memory(configs, degree) <= memory_limit and len(configs) <= (max_members or len(configs)):
+            return self.pack_seconds(configs, steps, degree)
+        needs = [self.memory_bytes(self.adapter_memory_terms(c, degree)) for c in configs]
+        # what the base leaves beside a full logits chunk; a member that fits only with a smaller one trains alone
+        room = max(memory_limit - self.memory_bytes(self.base_memory_terms(degree)), max(needs))
+        pack_steps = max(max(steps), sum(n * b for n, b in zip(steps, needs)) / room)
+        if max_members is not None:
+            pack_steps = max(pack_steps, sum(steps) / max_members)
+        rows = self.workload.rows_per_micro_batch
+        batch = sum(n * c.batch_size for c, n in zip(configs, steps)) / pack_steps  # rows of the average step
+        micro = 1 if rows is None else max(1, math.ceil(batch / rows))
+        average = self.overhead_terms(degree, micro)
+        for config, n in zip(configs, steps):
+            average += self.adapter_terms(config, degree, micro).scaled(n / pack_steps)
+        return pack_steps * self.seconds(average)
 
     def tokens_per_step(self, config: AdapterConfig) -> int:
         return config.batch_size * self.workload.seq_len

@@ -49,6 +49,7 @@ def plan_packs(
     allow_unschedulable: bool = False,
     calibration: Calibration | None = None,
     fill: bool = False,
+    rotate: bool = False,
 ) -> Schedule:
     """Plan which configs train together on which GPUs, and when (PLoRA's DTM + job planner).
 
@@ -69,6 +70,9 @@ def plan_packs(
         calibration: cost-model factors; default: the stored calibration of (model, GPU) if any.
         fill: plan the packs a sweep starts: configs DTM leaves for a later wave join a starting
             pack they fit in (:mod:`~plora_hpo.planner.fill`); False: the paper's DTM alone.
+        rotate: the configs still waiting once every GPU has a pack take turns in the single-GPU
+            packs starting then, as a sweep with ``pack.rotate`` keeps a full pack full; False:
+            they wait for a GPU to free up.
 
     Returns:
         The schedule, with baselines, lower bound, solver and planning time.
@@ -92,6 +96,7 @@ def plan_packs(
             long_first=long_first,
             horizon_slack=horizon_slack,
             fill=fill,
+            rotate=rotate,
         )
         planner.add_configs(configs, steps, skip_unschedulable=allow_unschedulable)
         if not planner.pending:

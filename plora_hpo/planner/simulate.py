@@ -54,6 +54,7 @@ class PlannedPack:
     step_seconds: float  # predicted seconds of the first (fullest) step
     steps: int  # steps of the longest member
     solver: str
+    width: int  # members it starts with; fewer than ``configs`` when the rest take turns with them
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -75,6 +76,9 @@ class JobPlanner:
             needs at the best rate on all GPUs (None: no cap, pure throughput).
         fill: give the configs DTM leaves for a later wave to the starting packs they fit in, as a
             sweep does (:mod:`~plora_hpo.planner.fill`); False: the paper's DTM alone.
+        rotate: once every GPU has a pack, the configs still waiting join the single-GPU packs that
+            start then as members that take turns, as a sweep with ``pack.rotate`` keeps a full
+            pack full (:meth:`CostModel.rotating_pack_seconds`); False: they wait for a GPU.
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class JobPlanner:
         long_first: float = 1.0,
         horizon_slack: float | None = 1.0,
         fill: bool = False,
+        rotate: bool = False,
     ) -> None:
         if num_gpus < 1:
             raise PloraError(f"need at least one GPU to plan on, got {num_gpus}; pass --gpus 1 or more")
@@ -107,6 +112,7 @@ class JobPlanner:
         self.long_first = long_first
         self.horizon_slack = horizon_slack
         self.fill = fill
+        self.rotate = rotate
         self.now = 0.0
         self.configs: list[AdapterConfig] = []
         self.steps: list[int] = []
@@ -268,7 +274,10 @@ class JobPlanner:
         packs = [self._take(choice) for choice in choices]
         if self.fill:
             self._fill(packs, [choice.degree for choice in choices])
-        return [self._start(ids, choice, free) for ids, choice in zip(packs, choices)]
+        started = [self._start(ids, choice, free) for ids, choice in zip(packs, choices)]
+        if self.rotate and not free:  # no GPU left idle: the waiting configs take turns in the new packs
+            self._rotate_in(started)
+        return started
 
     def _take(self, choice: PackChoice) -> list[int]:
         """The pending config ids of the types ``choice`` counts (earliest first), taken off the queue."""
@@ -291,6 +300,35 @@ class JobPlanner:
         placed = set(spread_deferred(packs, self.pending, self.steps, fits=fits, seconds=seconds))
         self._pending = [[i for i in ids if i not in placed] for ids in self._pending]
 
+    def _rotate_in(self, started: list[PlannedPack]) -> None:
+        """Give the waiting configs that fit one GPU to the single-GPU packs starting now, longest
+        first, each to the pack that then ends earliest; there they take turns with the members,
+        as many training at once as fit (:meth:`CostModel.rotating_pack_seconds`)."""
+        packs = [p for p in started if p.degree == 1]
+        waiting = [cid for cid in self.pending if self.min_degree(cid) == 1]
+        if not packs or not waiting:
+            return
+        groups = [list(p.configs) for p in packs]
+
+        def seconds(_: int, ids: list[int]) -> float:
+            return self._rotating_seconds(ids)
+
+        placed = set(spread_deferred(groups, waiting, self.steps, fits=lambda k, ids: True, seconds=seconds))
+        self._pending = [[i for i in ids if i not in placed] for ids in self._pending]
+        for pack, ids in zip(packs, groups):
+            if len(ids) > len(pack.configs):
+                seconds = self._rotating_seconds(ids)
+                pack.configs = ids
+                pack.end = pack.start + seconds * self.drift
+                self._model_seconds[pack.pack_id] = seconds
+
+    def _rotating_seconds(self, ids: list[int]) -> float:
+        configs = [self.configs[i] for i in ids]
+        steps = [self.steps[i] for i in ids]
+        return self.cost_model.rotating_pack_seconds(
+            configs, steps, memory_limit=self.memory_limit, max_members=self.max_pack_size
+        )
+
     def _start(self, ids: list[int], choice: PackChoice, free: list[int]) -> PlannedPack:
         gpus = [free.pop(0) for _ in range(choice.degree)]
         configs = [self.configs[i] for i in ids]
@@ -307,6 +345,7 @@ class JobPlanner:
             step_seconds=self.cost_model.step_seconds(configs, choice.degree),
             steps=max(steps),
             solver=choice.solver,
+            width=len(ids),
         )
         self._next_id += 1
         self._model_seconds[pack.pack_id] = seconds

@@ -185,3 +185,37 @@ def test_allow_unschedulable_plans_the_rest(capsys):
     out = json.loads(capsys.readouterr().out)
     left_out = set(out["unschedulable"])
     assert left_out and sorted(left_out | {c for p in out["packs"] for c in p["configs"]}) == list(range(120))
+
+
+def test_a_sweep_that_rotates_is_planned_with_its_trials_taking_turns(capsys, tmp_path):
+    """The trials a full pack leaves over take turns in it (``pack.rotate``, on by default), so
+    the plan has one pack that starts with those that fit; a sweep that does not rotate (turned
+    off, a pruner, or ``--no-rotate``) is planned with them in a pack of their own afterwards."""
+    import yaml
+
+    data = yaml.safe_load((SPACES / "paper120.yaml").read_text())
+    data.update(model="random:qwen2.5-1.5b", tasks=["synthetic"], n_trials=32, budget={"steps": 200})
+    argv = ["--gpus", "1", "--gpu-memory-gib", "79.18", "--seq-len", "151", "--no-gantt"]
+
+    def planned(changes: dict, *extra: str) -> list[dict]:
+        sweep_file = tmp_path / "sweep.yaml"
+        sweep_file.write_text(yaml.safe_dump({**data, **changes}))
+        assert plan(str(sweep_file), *argv, "--json", *extra) == 0
+        return json.loads(capsys.readouterr().out)["packs"]
+
+    (pack,) = planned({})
+    assert len(pack["configs"]) == 32 and 20 < pack["width"] < 32
+    for changes, extra in [
+        ({"pack": {"size": 32, "rotate": False}}, ()),
+        ({"pruning": {"pruner": "median"}}, ()),
+        ({}, ("--no-rotate",)),
+    ]:
+        first, *rest = planned(changes, *extra)
+        assert first["configs"] == sorted(set(first["configs"])) and first["width"] == pack["width"]
+        assert rest and all(p["start"] >= first["end"] and p["width"] == len(p["configs"]) for p in rest)
+        assert sorted(c for p in (first, *rest) for c in p["configs"]) == list(range(32))
+
+    sweep_file = tmp_path / "sweep.yaml"
+    sweep_file.write_text(yaml.safe_dump(data))
+    assert plan(str(sweep_file), *argv) == 0
+    assert f"32 ({pack['width']} first, the rest by turns): 0-31" in capsys.readouterr().out

@@ -44,6 +44,8 @@ def check_invariants(schedule, n_configs: int, memory_limit: float) -> None:
         assert all(0 <= g < schedule.num_gpus for g in p.gpus)
         assert p.memory_bytes <= memory_limit
         assert p.end > p.start >= 0
+        assert 1 <= p.width <= len(p.configs)
+        assert p.width == len(p.configs) or p.degree == 1, "only single-GPU packs take turns"
     # No GPU runs two packs at once: packs sharing a GPU do not overlap in time.
     for a in schedule.packs:
         for b in schedule.packs:
@@ -56,15 +58,17 @@ def check_invariants(schedule, n_configs: int, memory_limit: float) -> None:
 
 
 @SETTINGS
-@given(sweeps(), st.booleans())
-def test_every_plan_keeps_the_invariants(sweep, fill):
+@given(sweeps(), st.booleans(), st.booleans())
+def test_every_plan_keeps_the_invariants(sweep, fill, rotate):
     try:
-        schedule = plan_packs(**sweep, fill=fill)
+        schedule = plan_packs(**sweep, fill=fill, rotate=rotate)
     except PloraError as err:  # nothing fits at all on these GPUs: the error says so
         assert "none of the" in str(err)
         return
     check_invariants(schedule, len(sweep["configs"]), 0.9 * sweep["gpu"].memory_bytes)
     event(f"planned {len(schedule.packs)} packs, {len(schedule.unschedulable)} unschedulable")
+    if not rotate:
+        assert all(p.width == len(p.configs) for p in schedule.packs)
     assert schedule.max_degree <= (sweep["max_degree"] or sweep["num_gpus"])
 
 
@@ -95,6 +99,32 @@ def test_a_filled_plan_starts_the_pack_the_sweep_s_admission_starts(shape, seq_l
     else:
         assert len(plans[True]) > 1
     assert max(p.end for p in plans[True]) <= max(p.end for p in plans[False]) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("num_gpus", [1, 2])
+def test_a_rotating_plan_gives_the_configs_left_over_to_the_full_packs(num_gpus):
+    """Memory binds (32 adapters of a 1.5B model per 80 GB GPU): without turns, the few configs
+    that do not fit wait for a pack to end and then run as a small pack that pays a full step's
+    fixed cost for few adapters; a sweep with ``pack.rotate`` trains them in the full packs by
+    turns, and so does the plan."""
+    cm = CostModel(Workload(shape_by_name("qwen2.5-1.5b"), 151), GpuSpec("H100", 79.18))
+    kinds = [(r, b) for r in (8, 16, 32, 64, 128) for b in (2, 8)]
+    configs = [config(r, b, seed=i) for i, (r, b) in enumerate((kinds * 8)[: 32 * num_gpus])]
+    plans = {}
+    for rotate in (False, True):
+        jp = JobPlanner(cm, num_gpus=num_gpus, max_pack_size=32, fill=True, rotate=rotate)
+        jp.add_configs(configs, steps=200)
+        plans[rotate] = run_to_completion(jp)
+    waits, turns = plans[False], plans[True]
+    assert len(waits) > num_gpus, "memory leaves configs for a later pack"
+    assert len(turns) == num_gpus and all(p.start == 0 for p in turns)
+    assert sorted(c for p in turns for c in p.configs) == list(range(len(configs)))
+    for first, pack in zip(waits, turns):  # the packs start as without turns, then take in the rest
+        assert pack.width == len(first.configs) < len(pack.configs) and set(first.configs) < set(pack.configs)
+        members = [configs[c] for c in pack.configs]
+        rotating = cm.rotating_pack_seconds(members, [200] * len(members), memory_limit=jp.memory_limit, max_members=32)
+        assert pack.end == pytest.approx(rotating)
+    assert max(p.end for p in turns) < max(p.end for p in waits)
 
 
 def planner(num_gpus: int = 2, **kwargs) -> JobPlanner:
