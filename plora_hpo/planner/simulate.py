@@ -317,10 +317,10 @@ class JobPlanner:
         self._pending = [[i for i in ids if i not in placed] for ids in self._pending]
         for pack, ids in zip(packs, groups):
             if len(ids) > len(pack.configs):
-                seconds = self._rotating_seconds(ids)
+                span = self._rotating_seconds(ids)
                 pack.configs = ids
-                pack.end = pack.start + seconds * self.drift
-                self._model_seconds[pack.pack_id] = seconds
+                pack.end = pack.start + span * self.drift
+                self._model_seconds[pack.pack_id] = span
 
     def _rotating_seconds(self, ids: list[int]) -> float:
         configs = [self.configs[i] for i in ids]
