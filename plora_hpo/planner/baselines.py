@@ -8,7 +8,10 @@ Why: a planned makespan means little alone; these say what simpler policies woul
 - Greedy: first-fit-decreasing packing by memory (a pack's degree is its first config's smallest
   degree), packs started in creation order as GPUs free up.
 - Lower bound: no schedule beats total useful work ÷ (GPUs × best per-GPU rate of any pack, from
-  the ILP's proven bound), nor the slowest config's fastest solo run.
+  the ILP's proven bound), nor the slowest config's fastest solo run. The pack rate counts a pack
+  until its longest member is done, so the bound holds for packs whose members train together to
+  their end; members that take turns (``rotate``) refill the places of those done and may end
+  below it.
 """
 
 from __future__ import annotations

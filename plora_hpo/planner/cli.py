@@ -246,7 +246,8 @@ def _print_table(schedule: Schedule, description: str, gantt: Path | None) -> No
         )
     b = schedule.baselines
     print(f"predicted makespan: {schedule.makespan:.0f} s ({schedule.makespan / 3600:.2f} h)")
-    print(f"lower bound: {b.lower_bound:.0f} s; approximation ratio {schedule.approximation_ratio:.3f}")
+    turns = " (of packs without turns)" if any(p.width < len(p.configs) for p in schedule.packs) else ""
+    print(f"lower bound{turns}: {b.lower_bound:.0f} s; approximation ratio {schedule.approximation_ratio:.3f}")
     for name, speedup in schedule.speedups().items():
         print(f"speedup over {name.replace('_', ' ')}: {speedup:.2f}x ({getattr(b, name):.0f} s)")
     if schedule.unschedulable:

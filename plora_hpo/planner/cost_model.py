@@ -314,6 +314,7 @@ class CostModel:
         self.gpu = gpu
         self.calibration = calibration or Calibration()
         self.prior = prior or (PEFT_PRIOR if workload.engine == "peft" else Prior())
+        self._weight_bytes: dict[int, float] = {}  # per degree: asked for every pack the planner weighs
 
     # ---- tensor-parallel split -----------------------------------------------------------
     def _local_dims(self, module: str, degree: int) -> tuple[float, float]:
@@ -325,9 +326,11 @@ class CostModel:
 
     def weight_bytes(self, degree: int = 1) -> float:
         """Frozen base weights on each GPU: embeddings, norms and LM head whole, projections ÷ degree."""
-        s = self.workload.shape
-        linear = s.decoder_linear_params()
-        return (s.total_params() - linear + linear / degree) * self.workload.dtype_bytes
+        if degree not in self._weight_bytes:
+            s = self.workload.shape
+            linear = s.decoder_linear_params()
+            self._weight_bytes[degree] = (s.total_params() - linear + linear / degree) * self.workload.dtype_bytes
+        return self._weight_bytes[degree]
 
     def adapter_params(self, config: AdapterConfig, degree: int = 1) -> float:
         """Parameters of one adapter's factors on each GPU: A of a column-parallel projection and
@@ -426,11 +429,20 @@ class CostModel:
         return max(1, math.ceil(sum(c.batch_size for c in configs) / rows))
 
     def memory_terms(self, configs: Sequence[AdapterConfig], degree: int = 1) -> MemoryTerms:
+        return self._pack_memory_terms(configs, [self.adapter_memory_terms(c, degree) for c in configs], degree)
+
+    def _pack_memory_terms(
+        self, configs: Sequence[AdapterConfig], adapters: Sequence[MemoryTerms], degree: int
+    ) -> MemoryTerms:
+        """:meth:`memory_terms` from the members' own terms (``adapters``, one per config)."""
         tokens = sum(self.tokens_per_step(c) for c in configs)
         live = self.micro_batch_tokens(configs, degree)
-        total = self.base_memory_terms(degree, live)
-        for config in configs:
-            total += self.adapter_memory_terms(config, degree)
+        base = self.base_memory_terms(degree, live)
+        total = MemoryTerms(
+            fixed=base.fixed + sum(t.fixed for t in adapters),
+            activations=base.activations + sum(t.activations for t in adapters),
+            adapters=base.adapters + sum(t.adapters for t in adapters),
+        )
         if live < tokens:  # micro-batched: only the forward in flight keeps activations
             total = replace(total, activations=total.activations * live / tokens)
         return total
@@ -575,34 +587,41 @@ class CostModel:
         memory_limit: float,
         max_members: int | None = None,
         degree: int = 1,
+        turns: int = 8,
     ) -> float:
         """Seconds until the last member finishes when the members take turns in a pack kept full
-        (a sweep's ``pack.rotate``): those far ahead wait while those furthest behind train, as
-        many at once as fit in ``memory_limit`` per GPU (and ``max_members``), so all end together
-        unless one member alone needs longer.
+        (a sweep's ``pack.rotate``): those with the most steps left train, as many as fit in
+        ``memory_limit`` per GPU (and ``max_members``), while the others wait.
 
-        The pack runs as many steps as the longest member's, or as the work needs at full memory
-        (Σ steps × adapter bytes ÷ the bytes the base leaves) or at full count (Σ steps ÷
-        ``max_members``), whichever is most; each step carries on average Σ steps × terms ÷ those
-        steps of adapter work besides the fixed cost per step: exact for the additive terms, with
-        host/device overlap taken on that average step. Without turns (all fit at once) it is
-        :meth:`pack_seconds`.
+        Played in turns of ``1 / turns`` of the longest member's steps (shorter when a member is
+        done first): each turn the members furthest behind are taken in that order, skipping any
+        that would not fit beside those taken, and every step of the turn costs
+        :meth:`step_seconds` of them. Without turns (all fit at once) it is :meth:`pack_seconds`.
         """
-        if self.peak_memory(configs, degree) <= memory_limit and len(configs) <= (max_members or len(configs)):
+        cap = max_members or len(configs)
+        if len(configs) <= cap and self.peak_memory(configs, degree) <= memory_limit:
             return self.pack_seconds(configs, steps, degree)
-        needs = [self.memory_bytes(self.adapter_memory_terms(c, degree)) for c in configs]
-        # what the base leaves beside a full logits chunk; a member that fits only with a smaller one trains alone
-        room = max(memory_limit - self.memory_bytes(self.base_memory_terms(degree)), max(needs))
-        pack_steps = max(max(steps), sum(n * b for n, b in zip(steps, needs)) / room)
-        if max_members is not None:
-            pack_steps = max(pack_steps, sum(steps) / max_members)
-        rows = self.workload.rows_per_micro_batch
-        batch = sum(n * c.batch_size for c, n in zip(configs, steps)) / pack_steps  # rows of the average step
-        micro = 1 if rows is None else max(1, math.ceil(batch / rows))
-        average = self.overhead_terms(degree, micro)
-        for config, n in zip(configs, steps):
-            average += self.adapter_terms(config, degree, micro).scaled(n / pack_steps)
-        return pack_steps * self.seconds(average)
+        own = [self.adapter_memory_terms(c, degree) for c in configs]
+
+        def fits(members: list[int]) -> bool:
+            terms = self._pack_memory_terms([configs[i] for i in members], [own[i] for i in members], degree)
+            return self.memory_bytes(terms) <= memory_limit
+
+        left = [int(n) for n in steps]
+        turn = max(1, math.ceil(max(left) / turns))
+        total = 0.0
+        while behind := sorted((i for i, n in enumerate(left) if n > 0), key=lambda i: -left[i]):
+            taken: list[int] = []
+            for i in behind:
+                if len(taken) == cap:
+                    break
+                if not taken or fits([*taken, i]):
+                    taken.append(i)
+            run = min(turn, *(left[i] for i in taken))
+            total += run * self.step_seconds([configs[i] for i in taken], degree)
+            for i in taken:
+                left[i] -= run
+        return total
 
     def tokens_per_step(self, config: AdapterConfig) -> int:
         return config.batch_size * self.workload.seq_len

@@ -41,7 +41,8 @@ class Schedule:
 
     @property
     def approximation_ratio(self) -> float:
-        """Makespan ÷ lower bound (1.0 is provably optimal under the cost model)."""
+        """Makespan ÷ lower bound (1.0 is provably optimal under the cost model for packs whose
+        members train together to their end; a plan whose members take turns can go below 1)."""
         return self.makespan / self.baselines.lower_bound if self.baselines.lower_bound > 0 else 1.0
 
     def speedups(self) -> dict[str, float]:

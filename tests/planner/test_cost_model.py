@@ -51,36 +51,38 @@ def test_pack_seconds_counts_phases_as_adapters_leave():
 
 
 def test_members_that_take_turns_train_as_many_at_once_as_fit():
-    """``pack.rotate``: the pack runs the steps its work needs at full memory (or at full count),
-    or its longest member's if more; what all fit at once runs as a plain pack."""
+    """``pack.rotate``: each turn the members furthest behind train, as many as memory (and the
+    count) hold; what all fit at once runs as a plain pack."""
     cm = model()
     members = [config(batch=4, seed=i) for i in range(6)]
     four = cm.peak_memory(members[:4])
     assert cm.peak_memory(members[:5]) > four
-    assert cm.rotating_pack_seconds(members, [300] * 6, memory_limit=four, max_members=4) == pytest.approx(
-        6 * 300 / 4 * cm.step_seconds(members[:4])
+    # turns of one step: 48 adapter steps, four at a time, are 12 full steps
+    assert cm.rotating_pack_seconds(members, [8] * 6, memory_limit=four, turns=8) == pytest.approx(
+        12 * cm.step_seconds(members[:4])
     )
-    memory_bound = cm.rotating_pack_seconds(members, [300] * 6, memory_limit=four)
-    assert memory_bound == pytest.approx(cm.rotating_pack_seconds(members, [300] * 6, memory_limit=four, max_members=4))
+    assert cm.rotating_pack_seconds(members, [8] * 6, memory_limit=cm.peak_memory(members), max_members=3) == (
+        pytest.approx(16 * cm.step_seconds(members[:3]))
+    )
+    turns = cm.rotating_pack_seconds(members, [300] * 6, memory_limit=four)
     apart = cm.pack_seconds(members[:4], [300] * 4) + cm.pack_seconds(members[4:], [300] * 2)
-    assert memory_bound < apart  # two left over alone would pay a full step's fixed cost for two
+    assert turns < apart  # the two left over alone would pay a full step's fixed cost for two
     roomy = cm.peak_memory(members)
     assert cm.rotating_pack_seconds(members, [300] * 6, memory_limit=roomy) == cm.pack_seconds(members, [300] * 6)
 
-    # Smaller members: more of them train at once, as many as the memory the base leaves holds.
-    small = [config(batch=2, seed=i) for i in range(12)]
-    room = four - cm.memory_bytes(cm.base_memory_terms(1))
-    at_once = room / cm.memory_bytes(cm.adapter_memory_terms(small[0], 1))
-    assert 4 < at_once < 11
-    pack_steps = 12 * 300 / at_once
-    seconds = cm.rotating_pack_seconds(small, [300] * 12, memory_limit=four)
-    n = int(at_once)
-    assert pack_steps * cm.step_seconds(small[:n]) < seconds < pack_steps * cm.step_seconds(small[: n + 1])
+    # Smaller members: more of them fit at once.
+    small = [config(batch=1, seed=i) for i in range(40)]
+    n = max(k for k in range(1, 41) if cm.peak_memory(small[:k]) <= four)
+    assert 4 < n < 20
+    assert cm.rotating_pack_seconds(small[: 2 * n], [8] * (2 * n), memory_limit=four) == pytest.approx(
+        16 * cm.step_seconds(small[:n])
+    )
 
+    # A member longer than the others' turns together trains on alone once they are done.
     long, short = config(rank=64, batch=8), config(rank=8, batch=2)
     alone = cm.peak_memory([long])
-    seconds = cm.rotating_pack_seconds([long, short, short], [1000, 10, 10], memory_limit=alone, max_members=2)
-    assert 1000 * cm.step_seconds([long]) < seconds < 1000 * cm.step_seconds([long, short])
+    seconds = cm.rotating_pack_seconds([long, short, short], [1000, 10, 10], memory_limit=alone * 2, max_members=2)
+    assert seconds == pytest.approx(20 * cm.step_seconds([long, short]) + 980 * cm.step_seconds([long]))
 
 
 def test_multi_gpu_adds_communication():
