@@ -1,0 +1,11 @@
+# The device calls that wrote sweep-e2e-mrpc-150-plan-h100.json and sweep-e2e-mrpc-400-plan-warm-h100.json (2026-12-07;
+# the tree of commit 96eee35, with benchmarks/results/quality-*.json and sweep-e2e-*.json set aside to keep the tree under
+# the device's limit). Each ran from the repository root with .whl and .device_data/mrpc (GLUE MRPC's train.tsv and
+# dev.tsv only) carried, on one fresh H100 machine (kind nvidia-h100-x1), in this order. Eight calls for an H200 and
+# three for an H100 before them failed to start a machine; four more were refused inside the retry windows.
+# 1 -> sweep-e2e-mrpc-150-plan-h100.json: pytest -m gpu (its `tests` key), then the machine's first sweep (150 steps;
+#      Triton's kernels compiled cold, the bytecode written), then plora-hpo plan with the calibration it left
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1; export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 150 --engine-steps 0 --sequential 0 --colocated-k 0 --tests --tests-timeout-s 240 --budget-s 500 --sweep-timeout-s 200 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-150-plan-$G --out $OUT 2>&1 | tail -30
+# 2 -> sweep-e2e-mrpc-400-plan-warm-h100.json (warm: the bytecode and Triton kernels the first call left; no baseline:
+#      132 s of the session's device time were left after it)
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 400 --engine-steps 0 --sequential 0 --colocated-k 0 --bytecode as-is --budget-s 300 --sweep-timeout-s 260 --data-dir .device_data --tokenizer .whl/tokenizer --name sweep-e2e-mrpc-400-plan-warm-$G --out $OUT 2>&1 | tail -22
