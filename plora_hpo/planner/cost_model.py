@@ -280,9 +280,6 @@ class StepTerms:
     def __add__(self, other: StepTerms) -> StepTerms:
         return StepTerms(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
-    def scaled(self, factor: float) -> StepTerms:
-        return StepTerms(*(getattr(self, f.name) * factor for f in fields(self)))
-
 
 @dataclass(frozen=True)
 class MemoryTerms:
