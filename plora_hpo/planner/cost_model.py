@@ -595,15 +595,15 @@ class CostModel:
         that would not fit beside those taken, and every step of the turn costs
         :meth:`step_seconds` of them. Without turns (all fit at once) it is :meth:`pack_seconds`.
         """
-        cap = max_members or len(configs)
-        if len(configs) <= cap and self.peak_memory(configs, degree) <= memory_limit:
-            return self.pack_seconds(configs, steps, degree)
         own = [self.adapter_memory_terms(c, degree) for c in configs]
 
         def fits(members: list[int]) -> bool:
             terms = self._pack_memory_terms([configs[i] for i in members], [own[i] for i in members], degree)
             return self.memory_bytes(terms) <= memory_limit
 
+        cap = max_members or len(configs)
+        if len(configs) <= cap and fits(list(range(len(configs)))):
+            return self.pack_seconds(configs, steps, degree)
         left = [int(n) for n in steps]
         turn = max(1, math.ceil(max(left) / turns))
         total = 0.0

@@ -297,8 +297,12 @@ class JobPlanner:
         def seconds(k: int, ids: list[int]) -> float:
             return cm.pack_seconds([self.configs[i] for i in ids], [self.steps[i] for i in ids], degrees[k])
 
-        placed = set(spread_deferred(packs, self.pending, self.steps, fits=fits, seconds=seconds))
-        self._pending = [[i for i in ids if i not in placed] for ids in self._pending]
+        self._unqueue(spread_deferred(packs, self.pending, self.steps, fits=fits, seconds=seconds))
+
+    def _unqueue(self, placed: list[int]) -> None:
+        """Take configs given to packs off the pending queue."""
+        gone = set(placed)
+        self._pending = [[i for i in ids if i not in gone] for ids in self._pending]
 
     def _rotate_in(self, started: list[PlannedPack]) -> None:
         """Give the waiting configs that fit one GPU to the single-GPU packs starting now, longest
@@ -309,22 +313,26 @@ class JobPlanner:
         if not packs or not waiting:
             return
         groups = [list(p.configs) for p in packs]
+        spans: dict[frozenset[int], float] = {}  # each group weighed is played once
 
         def seconds(_: int, ids: list[int]) -> float:
-            return self._rotating_seconds(ids)
+            key = frozenset(ids)
+            if key not in spans:
+                spans[key] = self._rotating_seconds(ids)
+            return spans[key]
 
-        placed = set(spread_deferred(groups, waiting, self.steps, fits=lambda k, ids: True, seconds=seconds))
-        self._pending = [[i for i in ids if i not in placed] for ids in self._pending]
+        self._unqueue(spread_deferred(groups, waiting, self.steps, fits=lambda k, ids: True, seconds=seconds))
         for pack, ids in zip(packs, groups):
             if len(ids) > len(pack.configs):
-                span = self._rotating_seconds(ids)
+                span = seconds(0, ids)
                 pack.configs = ids
                 pack.end = pack.start + span * self.drift
                 self._model_seconds[pack.pack_id] = span
 
     def _rotating_seconds(self, ids: list[int]) -> float:
-        configs = [self.configs[i] for i in ids]
-        steps = [self.steps[i] for i in ids]
+        """The pack's span; ties in steps left go to the earlier config, whatever order ``ids`` come in."""
+        configs = [self.configs[i] for i in sorted(ids)]
+        steps = [self.steps[i] for i in sorted(ids)]
         return self.cost_model.rotating_pack_seconds(
             configs, steps, memory_limit=self.memory_limit, max_members=self.max_pack_size
         )
