@@ -87,13 +87,10 @@ LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device me
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
 ROTATE_MIN_LEAD = 25
 ROTATE_ROUNDS = 8
-ROTATE_END_LEAD = 4
 """A member yields its place in a full pack (``pack.rotate``) to a waiting trial that has more
-steps left by at least a lead: an eighth of that trial's steps (and at least ``ROTATE_MIN_LEAD``),
-so that a trial moves in and out about eight times; but at most half the steps the pack has left
-(and at least ``ROTATE_END_LEAD``), so that near the sweep's end trials change places more often
-and the members end within a few steps of each other, not an eighth of a trial apart with the
-pack training its last steps for a few of them."""
+steps left by at least an eighth of that trial's steps (and by at least ``ROTATE_MIN_LEAD``): a
+trial moves in and out about eight times, and the pack's members end within that many steps of
+each other."""
 FINISHING_QUEUE_BYTES = 1 << 30
 """Host bytes of finished adapters' copies a device may queue for writing before its loop waits."""
 
@@ -1039,7 +1036,7 @@ class _Pack:
         Once every trial left has been proposed (:attr:`~plora_hpo.trials.TrialPool.last_round`),
         trials that do not fit would wait for the pack to end and then train on their own, a small
         pack whose steps cost nearly what a full one's do. Instead a member far ahead (fewer steps
-        left, by the lead :data:`ROTATE_END_LEAD` describes) is parked in host memory, as after an
+        left, by the lead :data:`ROTATE_ROUNDS` sets) is parked in host memory, as after an
         out-of-memory split, and the waiting trial furthest behind trains in its place (in the
         place of several such members if it is larger than any one of them); parked
         trials come back the same way, or once a member finishes. A trial trains exactly the steps
@@ -1061,17 +1058,12 @@ class _Pack:
             if not waiting:
                 return
             behind, ticket, state = max(waiting, key=lambda w: w[0])
+            lead = max(ROTATE_MIN_LEAD, math.ceil(worker.total_steps(ticket.request) / ROTATE_ROUNDS))
             ahead = sorted(
                 (self.trainer.jobs[a].total_steps - self.trainer.steps_done[a], a)
                 for a in self.trainer.jobs
                 if not self.trainer.is_done(a)
             )
-            # the steps this pack has left if it stays full (the pool's waiting trials counted as
-            # its own: with several devices that overstates them and only keeps the lead longer)
-            trial_steps_left = sum(left for left, _ in ahead) + sum(w[0] for w in waiting)
-            pack_steps_left = math.ceil(trial_steps_left / max(len(ahead), 1))
-            lead = max(ROTATE_MIN_LEAD, math.ceil(worker.total_steps(ticket.request) / ROTATE_ROUNDS))
-            lead = max(ROTATE_END_LEAD, min(lead, math.ceil(pack_steps_left / 2)))
             out = self._room_for(ticket, [a for left, a in ahead if behind - left >= lead])
             if out is None:
                 return

@@ -497,12 +497,11 @@ def assert_trained_as_without_rotation(losses, plain_losses, values, plain_value
     assert values == pytest.approx(plain_values, rel=1e-4)
 
 
-def rotation_run(tmp_path, name, rotate, shrink_after=None, rounds=4, end_lead=1):
+def rotation_run(tmp_path, name, rotate, shrink_after=None):
     """Five trials asked at once where three fit (memory for three): the adapters each pack step
     held, each adapter's (step, loss) records, and each trial's value. ``shrink_after``: after that
     many pack steps the cost model puts three adapters 2% above the device's limit (as once it is
-    refitted on a pack's measured peak). The lead is 12 / ``rounds`` steps, shrinking to half the
-    steps the pack has left, down to ``end_lead``."""
+    refitted on a pack's measured peak)."""
     space = {
         "rank": {"choices": [8]},
         "alpha_multiplier": {"choices": [1]},
@@ -525,8 +524,7 @@ def rotation_run(tmp_path, name, rotate, shrink_after=None, rounds=4, end_lead=1
         three = property(room_for_three)
         patch.setattr(worker_module.DeviceWorker, "memory_limit", three)  # a device with room for three
         patch.setattr(worker_module, "ROTATE_MIN_LEAD", 1)
-        patch.setattr(worker_module, "ROTATE_ROUNDS", rounds)
-        patch.setattr(worker_module, "ROTATE_END_LEAD", end_lead)
+        patch.setattr(worker_module, "ROTATE_ROUNDS", 4)  # a lead of 3 of the 12 steps
         patch.setattr(PackedTrainer, "step", step)
         try:
             serve(study, PackedObjective(sweep, "synthetic"), n_trials=5)
@@ -545,18 +543,6 @@ def test_a_full_pack_rotates_the_last_trials_instead_of_training_them_alone_afte
     assert len(held) < 24 and max(len(h) for h in held) == 3  # never more than fit
     assert sum(len(h) == 3 for h in held) > 12  # the pack stayed full longer
     assert_trained_as_without_rotation(losses, plain_losses, values, plain_values, trials=5)
-
-
-def test_the_lead_shrinks_as_the_sweep_ends_so_that_the_members_end_together(tmp_path):
-    """A lead of half a trial (6 of its 12 steps) kept to the end leaves the members that far apart:
-    the pack trains its last steps for fewer than fit. Shrinking it to half the steps the pack has
-    left keeps the pack full to its last step: 60 adapter steps, three at a time."""
-    kept_held, kept_losses, kept_values = rotation_run(tmp_path, "kept", rotate=True, rounds=2, end_lead=6)
-    held, losses, values = rotation_run(tmp_path, "shrunk", rotate=True, rounds=2, end_lead=1)
-
-    assert len(kept_held) > 20 and sum(len(h) < 3 for h in kept_held) >= 3
-    assert [len(h) for h in held] == [3] * 20
-    assert_trained_as_without_rotation(losses, kept_losses, values, kept_values, trials=5)
 
 
 def test_rotation_goes_on_when_the_running_pack_is_predicted_above_the_limit(tmp_path):
@@ -606,7 +592,6 @@ def mixed_rotation_run(tmp_path, name, rotate):
         patch.setattr(worker_module.DeviceWorker, "memory_limit", property(room))
         patch.setattr(worker_module, "ROTATE_MIN_LEAD", 1)
         patch.setattr(worker_module, "ROTATE_ROUNDS", 4)  # a lead of 3 of the 12 steps
-        patch.setattr(worker_module, "ROTATE_END_LEAD", 1)
         patch.setattr(PackedTrainer, "step", step)
         try:
             serve(study, PackedObjective(sweep, "synthetic"), n_trials=4)
