@@ -117,6 +117,46 @@ def test_a_capture_on_the_gpu_keeps_its_step_while_the_next_steps_update_the_ada
             assert torch.equal(got[key].cpu(), value), key
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_member_parked_on_the_gpu_keeps_its_step_while_another_trains_in_its_place():
+    """Rotation's park and swap on a device: the capture is still queued (its copy stream held up)
+    while the member leaves the pack (its storage and AdamW state freed), a new adapter joins and
+    two steps rebuild the pack's storage and update it. The parked state is the captured step's,
+    and it joins again with exactly those weights and moments."""
+    trainer = new_trainer(tiny_model("qwen2"), device="cuda")
+    for a in CONFIGS:
+        trainer.add_job(job(a))
+    for _ in range(3):
+        trainer.step()
+    want = {k: v.cpu() for k, v in trainer.packed.state_dict_of("a").items()}
+    moments = [{k: v.cpu() for k, v in trainer.optimizer.state[p].items()} for p in _params(trainer, "a")]
+    with torch.cuda.stream(_copy_stream(trainer.device)):
+        torch.cuda._sleep(200_000_000)  # the copies queue behind this, past the swap and the steps below
+    state = capture(trainer, "a", curve=[])
+    assert state.copied
+    trainer.remove_job("a")
+    trainer.packed.remove_adapter("a")
+    newcomer = AdapterConfig(rank=16, alpha=16.0, learning_rate=1e-3, batch_size=3, seed=3)
+    trainer.add_job(AdapterJob("c", newcomer, EXAMPLES["a"], STEPS))
+    for _ in range(2):
+        trainer.step()
+
+    state.wait_copied()
+    for key, value in want.items():
+        assert torch.equal(state.weights[key], value), key
+    for got, expected in zip(state.optimizer_state, moments):
+        for key, value in expected.items():
+            assert torch.equal(got[key].cpu(), value), key
+    restore(trainer, job("a"), state)
+    for key, value in trainer.packed.state_dict_of("a").items():
+        assert torch.equal(value.cpu(), want[key]), key
+    for p, expected in zip(_params(trainer, "a"), moments):
+        for key, value in expected.items():
+            assert torch.equal(trainer.optimizer.state[p][key].cpu(), value), key
+    assert trainer.steps_done["a"] == 3
+
+
 def _params(trainer: PackedTrainer, adapter_id: str) -> list[torch.nn.Parameter]:
     [group] = [g for g in trainer.optimizer.param_groups if g["adapter_id"] == adapter_id]
     return list(group["params"])
