@@ -132,14 +132,15 @@ def test_a_member_parked_on_the_gpu_keeps_its_step_while_another_trains_in_its_p
     want = {k: v.cpu() for k, v in trainer.packed.state_dict_of("a").items()}
     moments = [{k: v.cpu() for k, v in trainer.optimizer.state[p].items()} for p in _params(trainer, "a")]
     with torch.cuda.stream(_copy_stream(trainer.device)):
-        torch.cuda._sleep(200_000_000)  # the copies queue behind this, past the swap and the steps below
+        torch.cuda._sleep(1_000_000_000)  # the copies queue behind this, past the swap below
     state = capture(trainer, "a", curve=[])
     assert state.copied
     trainer.remove_job("a")
     trainer.packed.remove_adapter("a")
     newcomer = AdapterConfig(rank=16, alpha=16.0, learning_rate=1e-3, batch_size=3, seed=3)
     trainer.add_job(AdapterJob("c", newcomer, EXAMPLES["a"], STEPS))
-    for _ in range(2):
+    assert not any(event.query() for event in state.copied)  # swapped while the copies still waited
+    for _ in range(2):  # the first update waits for the copies; the storage is rebuilt before it
         trainer.step()
 
     state.wait_copied()
