@@ -89,8 +89,12 @@ def queue_host_copies(
 _copy_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def _copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The device's side stream for queued host copies (one per device, made on first use)."""
+def _copy_stream(device: torch.device | str) -> torch.cuda.Stream:
+    """The device's side stream for queued host copies (one per device, made on first use;
+    ``"cuda"`` names the current device, the one its tensors report as ``cuda:N``)."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device(device.type, torch.cuda.current_device())
     if device not in _copy_streams:
         _copy_streams[device] = torch.cuda.Stream(device)
     return _copy_streams[device]
