@@ -64,6 +64,7 @@ from plora_hpo.errors import CheckpointError, first_line
 from plora_hpo.job_thread import JobThread
 from plora_hpo.pacing import SharePacer
 from plora_hpo.pack_group import STOP, GroupFailed
+from plora_hpo.planner.cost_model import ROTATION_TURNS
 from plora_hpo.reporting import PackSegment, TrialReporter
 from plora_hpo.resources import AdapterExporter, AdapterScorer, DeviceResources, total_steps, usable_memory_bytes
 from plora_hpo.tasks import padded_length
@@ -86,11 +87,10 @@ LIVE_LOG_SECONDS = 10.0
 LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device memory
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
 ROTATE_MIN_LEAD = 25
-ROTATE_ROUNDS = 8
 """A member yields its place in a full pack (``pack.rotate``) to a waiting trial that has more
-steps left by at least an eighth of that trial's steps (and by at least ``ROTATE_MIN_LEAD``): a
-trial moves in and out about eight times, and the pack's members end within that many steps of
-each other."""
+steps left by at least 1 / :data:`~plora_hpo.planner.cost_model.ROTATION_TURNS` of that trial's
+steps (and by at least ``ROTATE_MIN_LEAD``): a trial moves in and out about that many times, and
+the pack's members end within that many steps of each other."""
 FINISHING_QUEUE_BYTES = 1 << 30
 """Host bytes of finished adapters' copies a device may queue for writing before its loop waits."""
 
@@ -1036,7 +1036,7 @@ class _Pack:
         Once every trial left has been proposed (:attr:`~plora_hpo.trials.TrialPool.last_round`),
         trials that do not fit would wait for the pack to end and then train on their own, a small
         pack whose steps cost nearly what a full one's do. Instead a member far ahead (fewer steps
-        left, by the lead :data:`ROTATE_ROUNDS` sets) is parked in host memory, as after an
+        left, by the lead :data:`ROTATE_MIN_LEAD` describes) is parked in host memory, as after an
         out-of-memory split, and the waiting trial furthest behind trains in its place (in the
         place of several such members if it is larger than any one of them); parked
         trials come back the same way, or once a member finishes. A trial trains exactly the steps
@@ -1058,7 +1058,7 @@ class _Pack:
             if not waiting:
                 return
             behind, ticket, state = max(waiting, key=lambda w: w[0])
-            lead = max(ROTATE_MIN_LEAD, math.ceil(worker.total_steps(ticket.request) / ROTATE_ROUNDS))
+            lead = max(ROTATE_MIN_LEAD, math.ceil(worker.total_steps(ticket.request) / ROTATION_TURNS))
             ahead = sorted(
                 (self.trainer.jobs[a].total_steps - self.trainer.steps_done[a], a)
                 for a in self.trainer.jobs

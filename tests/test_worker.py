@@ -524,7 +524,7 @@ def rotation_run(tmp_path, name, rotate, shrink_after=None):
         three = property(room_for_three)
         patch.setattr(worker_module.DeviceWorker, "memory_limit", three)  # a device with room for three
         patch.setattr(worker_module, "ROTATE_MIN_LEAD", 1)
-        patch.setattr(worker_module, "ROTATE_ROUNDS", 4)  # a lead of 3 of the 12 steps
+        patch.setattr(worker_module, "ROTATION_TURNS", 4)  # a lead of 3 of the 12 steps
         patch.setattr(PackedTrainer, "step", step)
         try:
             serve(study, PackedObjective(sweep, "synthetic"), n_trials=5)
@@ -591,7 +591,7 @@ def mixed_rotation_run(tmp_path, name, rotate):
 
         patch.setattr(worker_module.DeviceWorker, "memory_limit", property(room))
         patch.setattr(worker_module, "ROTATE_MIN_LEAD", 1)
-        patch.setattr(worker_module, "ROTATE_ROUNDS", 4)  # a lead of 3 of the 12 steps
+        patch.setattr(worker_module, "ROTATION_TURNS", 4)  # a lead of 3 of the 12 steps
         patch.setattr(PackedTrainer, "step", step)
         try:
             serve(study, PackedObjective(sweep, "synthetic"), n_trials=4)

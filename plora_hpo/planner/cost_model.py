@@ -48,6 +48,10 @@ GIB = 2**30
 # the row-parallel projections of :mod:`plora_hpo.engine.tensor_parallel` (split by input columns;
 # every other projection by output rows); repeated here so that the planner needs no torch
 ROW_PARALLEL = ("o_proj", "down_proj")
+ROTATION_TURNS = 8
+"""Turns a full pack with ``pack.rotate`` takes to train its members: a waiting trial takes a
+member's place once it is behind by 1 / ``ROTATION_TURNS`` of its steps (the sweep's worker), and
+:meth:`CostModel.rotating_pack_seconds` plays the pack in that many turns."""
 
 
 @dataclass(frozen=True)
@@ -584,7 +588,7 @@ class CostModel:
         memory_limit: float,
         max_members: int | None = None,
         degree: int = 1,
-        turns: int = 8,
+        turns: int = ROTATION_TURNS,
     ) -> float:
         """Seconds until the last member finishes when the members take turns in a pack kept full
         (a sweep's ``pack.rotate``): those with the most steps left train, as many as fit in
