@@ -27,6 +27,10 @@ With ``--again`` the same sweep then runs a second time in a fresh run directory
 sweep on the machine, which finds Triton's compiled kernels, Python's bytecode and the task data
 cached (key ``sweep_again``: its wall time, GPU utilisation and timeline totals).
 
+Where the sweep and a baseline do not fit in one device call together, ``--sweep-from`` takes the
+sweep from an earlier call's JSON on the same machine (same options, so the same seeded model and
+sweep file) and runs only the baselines against it; key ``sweep_from`` names that call.
+
 The baselines take longer than one device call allows for 32 configs, so they run a subset of the
 sweep's configs (spread over batch sizes and ranks) and the JSON says which numbers are measured
 and which are extrapolated to all configs (``measured`` / ``extrapolated`` keys, never mixed).
@@ -1039,6 +1043,12 @@ def run_colocated(configs: list[dict], k: int, setup: dict, sampler: GpuSampler,
     }
 
 
+def but_model(result: dict) -> tuple[str, list[str]]:
+    """A result's workload and sweep file without the model's folder (each call saves the seeded
+    model in a temporary folder of its own)."""
+    return result["workload"], [line for line in result["sweep_file"].splitlines() if not line.startswith("model:")]
+
+
 def spread(trials: list[dict], n: int) -> list[dict]:
     """``n`` of the sweep's configs spread over (batch size, rank), so their mean time is representative
     (one: the middle config, neither the cheapest nor the dearest)."""
@@ -1150,7 +1160,9 @@ def print_table(result: dict) -> None:
     print("\n=== sweep_e2e", result["workload"], "===")
     print(f"{'what':34s} {'makespan s':>11s} {'vs sweep':>9s}  note")
     ran = "" if sweep["returncode"] == 0 else f" after {sweep['ran_s']:.0f}s"
-    print(f"{'plora-hpo sweep (measured)':34s} {s['sweep_makespan_s'] or float('nan'):11.1f} {1.0:9.2f}  "
+    earlier = result.get("sweep_from")
+    label = f"plora-hpo sweep ({earlier['file']})" if earlier else "plora-hpo sweep (measured)"
+    print(f"{label:34s} {s['sweep_makespan_s'] or float('nan'):11.1f} {1.0:9.2f}  "
           f"rc={sweep['returncode']}{ran}, GPU util {s.get('gpu_util_mean_sweep') or float('nan'):.2f} "
           f"({s.get('gpu_util_mean_training_steps') or float('nan'):.2f} in training steps); GPU memory in use "
           f"before it {s.get('gpu_used_gib_before_sweep') or float('nan'):.2f} GiB")  # fmt: skip
@@ -1290,6 +1302,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
     p.add_argument("--budget-s", type=float, default=560.0, help="skip later stages past this many seconds")
     p.add_argument("--sweep-timeout-s", type=float, default=400.0)
+    p.add_argument(
+        "--sweep-from",
+        type=Path,
+        default=None,
+        help="an earlier call's results JSON on the same machine: its sweep (record, planner forecast) stands in "
+        "for running one, and only the baselines run (for a baseline that does not fit in the sweep's call)",
+    )
     p.add_argument("--out", type=Path, default=None)
     p.add_argument(
         "--name", default=None, help="results file stem (default: sweep-e2e-<task>-<gpu> such as -h200, or -smoke)"
@@ -1375,20 +1394,30 @@ def main(argv=None) -> None:
         result["gpu_samples"] = [(round(t, 2), u, round(m, 2)) for t, u, m in sampler.samples]
         result["summary"] = summarize(result, args.configs)
         result["elapsed_s"] = time.time() - began
-        if result["sweep"].get("events"):
+        if result["sweep"].get("events") and "sweep_from" not in result:  # its plot is that call's
             plot(result, args.out / f"{name}.png")
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
+    earlier = json.loads(args.sweep_from.read_text()) if args.sweep_from else None
+    if earlier and but_model(earlier) != but_model(result):
+        raise SystemExit(f"error: {args.sweep_from} ran another workload or sweep file; pass that call's options")
     with GpuSampler() as sampler:
         if device == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        result["sweep"] = run_sweep(args, sweep_file, work / "runs", sampler, min(args.sweep_timeout_s, left()))
+        if earlier:  # the same seeded model and sweep file as that call's: its trials are this call's configs
+            result["sweep_from"] = {"file": args.sweep_from.name, "date": earlier["date"],
+                                    "command": earlier["command"], "device": earlier["device"]}  # fmt: skip
+            result["sweep"] = earlier["sweep"]
+            if "planner" in earlier:
+                result["planner"] = earlier["planner"]
+        else:
+            result["sweep"] = run_sweep(args, sweep_file, work / "runs", sampler, min(args.sweep_timeout_s, left()))
         save()
         trials = result["sweep"].get("trials", [])
         if not trials:
             rc = result["sweep"]["returncode"]
             skipped.append(f"the stages that compare with its trials: the sweep recorded none (rc={rc})")
-        if trials:  # with the calibration the sweep just recorded: a forecast for the next one
+        if trials and not earlier:  # with the calibration the sweep just recorded: a forecast for the next one
             result["planner"] = {
                 "note": "predicted: plora-hpo plan's makespan for the sweep file on one device (training packs "
                 "only), after the first sweep; ran: each sweep's pack record, first pack start to last pack end "

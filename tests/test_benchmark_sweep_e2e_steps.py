@@ -1,7 +1,8 @@
 """benchmarks/sweep_e2e.py's engine_only stage finds the sweep's biggest pack and its steps on the timeline;
 its GPU sampler averages the samples inside given spans, and the GPU's idle seconds go to the worker
 phase they fell in; the tail after the last step says when each thread ended; it writes the bytecode a package on
-PYTHONPATH lacks before anything is timed."""
+PYTHONPATH lacks before anything is timed; an earlier call's sweep stands in for this call's only when it ran the
+same workload and sweep file."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from sweep_e2e import GpuSampler, biggest_segment, has_bytecode, segment_step_starts, write_bytecode  # noqa: E402
+from sweep_e2e import (  # noqa: E402
+    GpuSampler,
+    biggest_segment,
+    but_model,
+    has_bytecode,
+    segment_step_starts,
+    write_bytecode,
+)
 
 
 def segment(members: int, steps: int, device: str = "cuda:0") -> dict:
@@ -151,3 +159,14 @@ def test_a_package_without_bytecode_on_pythonpath_gets_it(tmp_path, monkeypatch)
 
     assert written["before"] == {"plora_probe_pkg": False} and written["after"] == {"plora_probe_pkg": True}
     assert str((tmp_path / "site").resolve()) in written["dirs"]
+
+
+def test_an_earlier_sweep_matches_only_with_the_same_workload_and_sweep_file():
+    def result(folder: str, steps: int) -> dict:
+        sweep_file = f"name: e2e-mrpc\nmodel: /tmp/{folder}/model\nbudget:\n  steps: {steps}\n"
+        return {"workload": f"mrpc, 32 paper120 configs x {steps} steps", "sweep_file": sweep_file}
+
+    assert but_model(result("plora-e2e-a", 800)) == but_model(result("plora-e2e-b", 800))  # each call's own folder
+    assert but_model(result("plora-e2e-a", 800)) != but_model(result("plora-e2e-a", 650))
+    other_file = result("plora-e2e-a", 800) | {"workload": result("plora-e2e-a", 650)["workload"]}
+    assert but_model(other_file) != but_model(result("plora-e2e-a", 800))
