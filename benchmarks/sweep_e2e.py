@@ -968,8 +968,20 @@ def peft_trial(params: dict, setup: dict) -> dict:
     return {"params": params, "value": value, "final_train_loss": sum(last) / len(last), **timings}
 
 
-def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler) -> dict:
-    """Sequential Optuna trials: the configs enqueued, one PEFT trial at a time."""
+class OutOfBudget(Exception):
+    """The call's ``--budget-s`` ran out while a baseline was still running."""
+
+
+def out_of_budget_note(seconds: float) -> str:
+    return (f"stopped after {seconds:.0f}s: the call's --budget-s ran out before it ended; run it in a call of "
+            "its own against this sweep with --sweep-from")  # fmt: skip
+
+
+def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler, deadline_s: float) -> dict:
+    """Sequential Optuna trials: the configs enqueued, one PEFT trial at a time. A trial still running
+    after ``deadline_s`` is stopped: the trials done before it are the measurement."""
+    import signal
+
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -990,11 +1002,26 @@ def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler) -> dic
         print(f"[sequential] {params} value={row['value']:.4f} total {row['total_s']:.1f}s", flush=True)
         return row["value"]
 
-    start = time.time()
-    study.optimize(objective, n_trials=len(configs))
-    end = time.time()
+    def stop(*_) -> None:
+        raise OutOfBudget
+
+    start = end = time.time()
+    errors = []
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, max(deadline_s, 0.001))
+    try:
+        study.optimize(objective, n_trials=len(configs))
+        end = time.time()
+    except OutOfBudget:
+        errors.append(out_of_budget_note(time.time() - start))
+        end = start + sum(r["total_s"] for r in rows)  # the trials that ended
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    print(f"[sequential] {len(rows)} of {len(configs)} configs: {end - start:.1f}s, errors: {errors}", flush=True)
     return {
-        "measured": {"trials": rows, "wall_s": end - start, "configs": len(configs)},
+        "measured": {"trials": rows, "wall_s": end - start, "configs": len(rows)},
+        "errors": errors,
         "gpu_util_mean": sampler.mean_util(start, end),
     }
 
@@ -1011,8 +1038,9 @@ def colocated_worker(args) -> None:
     Path(spec["out"]).write_text(json.dumps({"rows": rows, "end": time.time()}))
 
 
-def run_colocated(configs: list[dict], k: int, setup: dict, sampler: GpuSampler, work: Path) -> dict:
-    """K processes at once, configs dealt round-robin; makespan = launch to the last exit."""
+def run_colocated(configs: list[dict], k: int, setup: dict, sampler: GpuSampler, work: Path, deadline_s: float) -> dict:
+    """K processes at once, configs dealt round-robin; makespan = launch to the last exit. Processes
+    still running after ``deadline_s`` are killed: a wave cut short measures nothing."""
     procs = []
     start = time.time()
     for i in range(k):
@@ -1021,19 +1049,26 @@ def run_colocated(configs: list[dict], k: int, setup: dict, sampler: GpuSampler,
         log = open(work / f"coloc-{i}.log", "w")  # noqa: SIM115 - closed below
         cmd = [sys.executable, str(Path(__file__).resolve()), "--colocated-worker", str(work / f"coloc-spec-{i}.json")]
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
-    for p, log in procs:
-        p.wait()
+    rows, errors = [], []
+    try:
+        for p, _ in procs:
+            p.wait(timeout=max(start + deadline_s - time.time(), 0.001))
+    except subprocess.TimeoutExpired:
+        for p, _ in procs:
+            p.kill()
+            p.wait()
+        errors.append(out_of_budget_note(time.time() - start))
+    for _, log in procs:
         log.close()
     end = time.time()
-    rows, errors = [], []
-    for i in range(k):
+    for i in range(k if not errors else 0):
         path = work / f"coloc-{i}.json"
         if path.exists():
             rows += json.loads(path.read_text())["rows"]
         else:
             errors.append(f"process {i}: {(work / f'coloc-{i}.log').read_text()[-600:]}")
     errors += [r["error"] for r in rows if "error" in r]
-    print(f"[colocated] K={k} {len(configs)} configs: {end - start:.1f}s, errors: {len(errors)}", flush=True)
+    print(f"[colocated] K={k} {len(configs)} configs: {end - start:.1f}s, errors: {errors}", flush=True)
     return {
         "K": k,
         "measured": {"trials": rows, "wall_s": end - start, "configs": len(configs)},
@@ -1174,7 +1209,8 @@ def print_table(result: dict) -> None:
         e = b.get("extrapolated", {})
         label = f"{kind} (extrapolated)" if b["measured"]["configs"] < e.get("configs", 0) else f"{kind} (measured)"
         ratio = s.get(f"{kind}_vs_sweep")
-        print(f"{label:34s} {e.get('makespan_s', float('nan')):11.1f} {ratio or float('nan'):9.2f}  {e.get('how', '')}")
+        how = "; ".join([e.get("how", ""), *b.get("errors", [])[:1]]).strip("; ")
+        print(f"{label:34s} {e.get('makespan_s', float('nan')):11.1f} {ratio or float('nan'):9.2f}  {how}")
     engine = result.get("engine_only")
     if engine:
         how = (f"{engine['pack_id']}, {engine['configs']} configs: sweep {engine['sweep_step_s'] or math.nan:.4f} s, "
@@ -1300,7 +1336,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--tests", action="store_true", help="also run pytest -m gpu first and record its result")
     p.add_argument("--tests-timeout-s", type=float, default=240.0)
-    p.add_argument("--budget-s", type=float, default=560.0, help="skip later stages past this many seconds")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=560.0,
+        help="the call's seconds: later stages are skipped past them, and a baseline still running at them is stopped",
+    )
     p.add_argument("--sweep-timeout-s", type=float, default=400.0)
     p.add_argument(
         "--sweep-from",
@@ -1449,14 +1490,14 @@ def main(argv=None) -> None:
                 skipped.append(f"engine_only: {left():.0f}s of the budget left, ~{cost:.0f}s needed")
         if args.sequential and trials:
             if left() > 50 * args.sequential:
-                result["sequential"] = run_sequential(spread(trials, args.sequential), setup, sampler)
+                result["sequential"] = run_sequential(spread(trials, args.sequential), setup, sampler, left())
                 save()
             else:
                 skipped.append(f"sequential: {left():.0f}s of the budget left")
         if args.colocated_k and trials:
             if left() > 100:
                 configs = spread(trials, args.colocated_configs)
-                result["colocated"] = run_colocated(configs, args.colocated_k, setup, sampler, work)
+                result["colocated"] = run_colocated(configs, args.colocated_k, setup, sampler, work, left())
                 save()
             else:
                 skipped.append(f"colocated: {left():.0f}s of the budget left")

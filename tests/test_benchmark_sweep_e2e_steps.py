@@ -2,17 +2,22 @@
 its GPU sampler averages the samples inside given spans, and the GPU's idle seconds go to the worker
 phase they fell in; the tail after the last step says when each thread ended; it writes the bytecode a package on
 PYTHONPATH lacks before anything is timed; an earlier call's sweep stands in for this call's only when it ran the
-same workload and sweep file."""
+same workload and sweep file; a sequential trial still running when the call's budget ends is stopped, and the
+trials done before it are the measurement."""
 
 from __future__ import annotations
 
 import importlib
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+import sweep_e2e  # noqa: E402
 from sweep_e2e import (  # noqa: E402
     GpuSampler,
     biggest_segment,
@@ -170,3 +175,19 @@ def test_an_earlier_sweep_matches_only_with_the_same_workload_and_sweep_file():
     assert but_model(result("plora-e2e-a", 800)) != but_model(result("plora-e2e-a", 650))
     other_file = result("plora-e2e-a", 800) | {"workload": result("plora-e2e-a", 650)["workload"]}
     assert but_model(other_file) != but_model(result("plora-e2e-a", 800))
+
+
+def test_a_sequential_trial_past_the_budget_is_stopped_and_the_trials_before_it_count(monkeypatch):
+    def trial(params: dict, setup: dict) -> dict:  # the fault: the second config outlasts the budget
+        time.sleep(0.2 if params["rank"] == 8 else 30)
+        return {"params": params, "value": 0.5, "total_s": 0.2}
+
+    monkeypatch.setattr(sweep_e2e, "peft_trial", trial)
+    configs = [{"rank": r, "alpha_multiplier": 1, "learning_rate": 2.0e-4, "batch_size": 2} for r in (8, 16)]
+    began = time.time()
+    with GpuSampler() as sampler:
+        out = sweep_e2e.run_sequential(configs, {}, sampler, deadline_s=1.5)
+    assert time.time() - began < 10
+    assert [r["params"]["rank"] for r in out["measured"]["trials"]] == [8]
+    assert out["measured"]["configs"] == 1 and out["measured"]["wall_s"] == pytest.approx(0.2)
+    assert out["errors"] and "--budget-s ran out" in out["errors"][0]
