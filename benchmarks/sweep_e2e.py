@@ -968,8 +968,9 @@ def peft_trial(params: dict, setup: dict) -> dict:
     return {"params": params, "value": value, "final_train_loss": sum(last) / len(last), **timings}
 
 
-class OutOfBudget(Exception):
-    """The call's ``--budget-s`` ran out while a baseline was still running."""
+class OutOfBudget(BaseException):
+    """The call's ``--budget-s`` ran out while a baseline was still running (a BaseException, so that
+    no ``except Exception`` inside the trial's libraries takes it for the trial's own error)."""
 
 
 def out_of_budget_note(seconds: float) -> str:
@@ -999,6 +1000,7 @@ def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler, deadli
         }
         row = peft_trial(params, setup)
         rows.append(row)
+        ended.append(time.time())
         print(f"[sequential] {params} value={row['value']:.4f} total {row['total_s']:.1f}s", flush=True)
         return row["value"]
 
@@ -1006,7 +1008,7 @@ def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler, deadli
         raise OutOfBudget
 
     start = end = time.time()
-    errors = []
+    errors, ended = [], []
     previous = signal.signal(signal.SIGALRM, stop)
     signal.setitimer(signal.ITIMER_REAL, max(deadline_s, 0.001))
     try:
@@ -1014,7 +1016,7 @@ def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler, deadli
         end = time.time()
     except OutOfBudget:
         errors.append(out_of_budget_note(time.time() - start))
-        end = start + sum(r["total_s"] for r in rows)  # the trials that ended
+        end = ended[-1] if ended else start  # the trials that ended
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -1078,7 +1080,7 @@ def run_colocated(configs: list[dict], k: int, setup: dict, sampler: GpuSampler,
     }
 
 
-def but_model(result: dict) -> tuple[str, list[str]]:
+def sweep_key(result: dict) -> tuple[str, list[str]]:
     """A result's workload and sweep file without the model's folder (each call saves the seeded
     model in a temporary folder of its own)."""
     return result["workload"], [line for line in result["sweep_file"].splitlines() if not line.startswith("model:")]
@@ -1440,7 +1442,7 @@ def main(argv=None) -> None:
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
     earlier = json.loads(args.sweep_from.read_text()) if args.sweep_from else None
-    if earlier and but_model(earlier) != but_model(result):
+    if earlier and sweep_key(earlier) != sweep_key(result):
         raise SystemExit(f"error: {args.sweep_from} ran another workload or sweep file; pass that call's options")
     with GpuSampler() as sampler:
         if device == "cpu":

@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -21,9 +19,9 @@ import sweep_e2e  # noqa: E402
 from sweep_e2e import (  # noqa: E402
     GpuSampler,
     biggest_segment,
-    but_model,
     has_bytecode,
     segment_step_starts,
+    sweep_key,
     write_bytecode,
 )
 
@@ -171,10 +169,10 @@ def test_an_earlier_sweep_matches_only_with_the_same_workload_and_sweep_file():
         sweep_file = f"name: e2e-mrpc\nmodel: /tmp/{folder}/model\nbudget:\n  steps: {steps}\n"
         return {"workload": f"mrpc, 32 paper120 configs x {steps} steps", "sweep_file": sweep_file}
 
-    assert but_model(result("plora-e2e-a", 800)) == but_model(result("plora-e2e-b", 800))  # each call's own folder
-    assert but_model(result("plora-e2e-a", 800)) != but_model(result("plora-e2e-a", 650))
+    assert sweep_key(result("plora-e2e-a", 800)) == sweep_key(result("plora-e2e-b", 800))  # each call's own folder
+    assert sweep_key(result("plora-e2e-a", 800)) != sweep_key(result("plora-e2e-a", 650))
     other_file = result("plora-e2e-a", 800) | {"workload": result("plora-e2e-a", 650)["workload"]}
-    assert but_model(other_file) != but_model(result("plora-e2e-a", 800))
+    assert sweep_key(other_file) != sweep_key(result("plora-e2e-a", 800))
 
 
 def test_a_sequential_trial_past_the_budget_is_stopped_and_the_trials_before_it_count(monkeypatch):
@@ -189,5 +187,5 @@ def test_a_sequential_trial_past_the_budget_is_stopped_and_the_trials_before_it_
         out = sweep_e2e.run_sequential(configs, {}, sampler, deadline_s=1.5)
     assert time.time() - began < 10
     assert [r["params"]["rank"] for r in out["measured"]["trials"]] == [8]
-    assert out["measured"]["configs"] == 1 and out["measured"]["wall_s"] == pytest.approx(0.2)
+    assert out["measured"]["configs"] == 1 and 0.2 <= out["measured"]["wall_s"] < 1.5
     assert out["errors"] and "--budget-s ran out" in out["errors"][0]
