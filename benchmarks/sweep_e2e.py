@@ -74,6 +74,7 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
@@ -981,8 +982,6 @@ def out_of_budget_note(seconds: float) -> str:
 def run_sequential(configs: list[dict], setup: dict, sampler: GpuSampler, deadline_s: float) -> dict:
     """Sequential Optuna trials: the configs enqueued, one PEFT trial at a time. A trial still running
     after ``deadline_s`` is stopped: the trials done before it are the measurement."""
-    import signal
-
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -1055,15 +1054,17 @@ def run_colocated(configs: list[dict], k: int, setup: dict, sampler: GpuSampler,
     try:
         for p, _ in procs:
             p.wait(timeout=max(start + deadline_s - time.time(), 0.001))
+        finished = range(k)
     except subprocess.TimeoutExpired:
         for p, _ in procs:
             p.kill()
             p.wait()
         errors.append(out_of_budget_note(time.time() - start))
+        finished = range(0)  # a wave cut short: no process's rows
     for _, log in procs:
         log.close()
     end = time.time()
-    for i in range(k if not errors else 0):
+    for i in finished:
         path = work / f"coloc-{i}.json"
         if path.exists():
             rows += json.loads(path.read_text())["rows"]
@@ -1391,14 +1392,7 @@ def main(argv=None) -> None:
         "workload": f"{args.task}, {args.configs} paper120 configs x {args.steps} steps, "
         f"{'tiny' if args.smoke else args.shape} random weights, pack {args.pack_size}",
     }
-    if args.bytecode == "write":
-        result["bytecode"] = write_bytecode()
-        print(f"[bytecode] written in {result['bytecode']['seconds']:.0f}s; before: {result['bytecode']['before']}")
-    else:
-        result["bytecode"] = {"before": {m: has_bytecode(m) for m in BYTECODE_PROBES}, "written": False}
     model_dir = work / "model"
-    result["model"] = make_model_dir(args.shape, args.tokenizer, model_dir, device, args.smoke)
-    print(f"[model] saved {result['model']['shape']} in {result['model']['seconds']:.1f}s", flush=True)
     # lm-eval's batch size counts one model's rows; the sweep's counts rows shared by every adapter
     # scored together, so the same rows per adapter per forward is the baselines' batch × adapters
     sweep_eval_rows = args.sweep_eval_rows or args.eval_batch_size * min(args.configs, args.pack_size)
@@ -1407,10 +1401,20 @@ def main(argv=None) -> None:
     sweep_file = write_sweep_file(
         work / "sweep.yaml", model_dir, args.task, args.steps, args.configs, args.pack_size, ev
     )
+    result["sweep_file"] = sweep_file.read_text()
+    earlier = json.loads(args.sweep_from.read_text()) if args.sweep_from else None
+    if earlier and sweep_key(earlier) != sweep_key(result):
+        raise SystemExit(f"error: {args.sweep_from} ran another workload or sweep file; pass that call's options")
+    if args.bytecode == "write":
+        result["bytecode"] = write_bytecode()
+        print(f"[bytecode] written in {result['bytecode']['seconds']:.0f}s; before: {result['bytecode']['before']}")
+    else:
+        result["bytecode"] = {"before": {m: has_bytecode(m) for m in BYTECODE_PROBES}, "written": False}
+    result["model"] = make_model_dir(args.shape, args.tokenizer, model_dir, device, args.smoke)
+    print(f"[model] saved {result['model']['shape']} in {result['model']['seconds']:.1f}s", flush=True)
     from plora_hpo.config import load_sweep
 
     config = load_sweep(sweep_file)
-    result["sweep_file"] = sweep_file.read_text()
     setup = {
         "model_dir": str(model_dir),
         "task": args.task,
@@ -1441,9 +1445,6 @@ def main(argv=None) -> None:
             plot(result, args.out / f"{name}.png")
         (args.out / f"{name}.json").write_text(json.dumps(result, indent=1, default=str) + "\n")
 
-    earlier = json.loads(args.sweep_from.read_text()) if args.sweep_from else None
-    if earlier and sweep_key(earlier) != sweep_key(result):
-        raise SystemExit(f"error: {args.sweep_from} ran another workload or sweep file; pass that call's options")
     with GpuSampler() as sampler:
         if device == "cpu":
             os.environ["CUDA_VISIBLE_DEVICES"] = ""
