@@ -31,6 +31,11 @@ Where the sweep and a baseline do not fit in one device call together, ``--sweep
 sweep from an earlier call's JSON on the same machine (same options, so the same seeded model and
 sweep file) and runs only the baselines against it; key ``sweep_from`` names that call.
 
+The sweep runs with ``plora-hpo``'s CUDA allocator setting (expandable segments unless this
+environment sets one), the baselines with this environment's, as a user's own scripts would: key
+``allocator`` holds both. Per config, the baselines' values are compared with the sweep's, and a
+config whose final training loss is not finite on either side is named (``*_nonfinite_loss``).
+
 The baselines take longer than one device call allows for 32 configs, so they run a subset of the
 sweep's configs (spread over batch sizes and ranks) and the JSON says which numbers are measured
 and which are extrapolated to all configs (``measured`` / ``extrapolated`` keys, never mixed).
@@ -550,7 +555,7 @@ def summarize_tail(events: list[dict], end: float) -> dict:
 def summarize_timeline(events: list[dict], start: float, end: float, samples: list[tuple] = ()) -> dict:
     """Exclusive seconds per phase (innermost phase wins), in-pack loop time, start-up and shutdown;
     with the GPU sampler's ``samples``, the GPU's idle seconds in each (:func:`gpu_idle_by_phase`)."""
-    from plora_hpo.cli import EXIT_PHASE
+    from plora_hpo.timeline import EXIT_PHASE
 
     tail = summarize_tail(events, end)
     collections = [e for e in events if e["phase"] == "gc"]  # on any thread: a collection holds them all
@@ -1175,6 +1180,7 @@ def summarize(result: dict, n_configs: int) -> dict:
         b["per_trial"] = pairs
         if pairs:
             out[f"{kind}_value_abs_diff_max"] = max(abs(p["sweep"] - p[kind]) for p in pairs)
+            out[f"{kind}_nonfinite_loss"] = nonfinite_losses(pairs, kind)
     tl = sweep.get("timeline", {})
     frac = tl.get("fraction", {})
     out["gpu_util_mean_sweep"] = sweep.get("gpu_util_mean")
@@ -1189,6 +1195,18 @@ def summarize(result: dict, n_configs: int) -> dict:
     if again:
         out["sweep_again_makespan_s"] = again.get("wall_s")
         out["gpu_util_mean_sweep_again"] = again.get("gpu_util_mean")
+    return out
+
+
+def nonfinite_losses(pairs: list[dict], kind: str) -> list[dict]:
+    """The configs whose final training loss is not finite on either side, and which: a value scored
+    from a diverged adapter says nothing about agreement."""
+    out = []
+    for p in pairs:
+        sides = [side for side, key in (("sweep", "sweep_loss"), (kind, f"{kind}_loss"))
+                 if p.get(key) is not None and not math.isfinite(p[key])]  # fmt: skip
+        if sides:
+            out.append({"params": p["params"], "sides": sides})
     return out
 
 
@@ -1214,6 +1232,11 @@ def print_table(result: dict) -> None:
         ratio = s.get(f"{kind}_vs_sweep")
         how = "; ".join([e.get("how", ""), *b.get("errors", [])[:1]]).strip("; ")
         print(f"{label:34s} {e.get('makespan_s', float('nan')):11.1f} {ratio or float('nan'):9.2f}  {how}")
+        if b.get("per_trial"):
+            diverged = "".join(f"; final loss not finite ({', '.join(d['sides'])}): {d['params']}"
+                               for d in s.get(f"{kind}_nonfinite_loss", []))  # fmt: skip
+            print(f"{'':34s} values within {s[f'{kind}_value_abs_diff_max']:.3f} of the sweep's over "
+                  f"{len(b['per_trial'])} configs{diverged}")  # fmt: skip
     engine = result.get("engine_only")
     if engine:
         how = (f"{engine['pack_id']}, {engine['configs']} configs: sweep {engine['sweep_step_s'] or math.nan:.4f} s, "
@@ -1369,6 +1392,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def allocator_record() -> dict:
+    """torch's CUDA allocator settings: the sweep's (the ``plora-hpo`` program's default unless this
+    environment sets one) and the baselines' (this environment's; empty: torch's default)."""
+    from plora_hpo.allocator import allocator_settings, use_default_allocator
+
+    sweep_env = dict(os.environ)
+    use_default_allocator(sweep_env)
+    return {"sweep": allocator_settings(sweep_env), "baselines": allocator_settings(os.environ)}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.worker_spec:
@@ -1389,6 +1422,7 @@ def main(argv=None) -> None:
         "versions": versions(),
         "command": "python3 benchmarks/sweep_e2e.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "smoke": args.smoke,
+        "allocator": allocator_record(),
         "workload": f"{args.task}, {args.configs} paper120 configs x {args.steps} steps, "
         f"{'tiny' if args.smoke else args.shape} random weights, pack {args.pack_size}",
     }
@@ -1452,6 +1486,7 @@ def main(argv=None) -> None:
             result["sweep_from"] = {"file": args.sweep_from.name, "date": earlier["date"],
                                     "command": earlier["command"], "device": earlier["device"]}  # fmt: skip
             result["sweep"] = earlier["sweep"]
+            result["allocator"]["sweep"] = earlier.get("allocator", {}).get("sweep")  # None: not recorded then
             if "planner" in earlier:
                 result["planner"] = earlier["planner"]
         else:

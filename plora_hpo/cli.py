@@ -1,6 +1,9 @@
 """``plora-hpo``: run packed sweeps, plan packs, inspect results.
 
 Every user-facing failure prints one ``error:`` line naming the problem and the fix, and exits 2.
+
+The program runs torch's CUDA caching allocator with :mod:`plora_hpo.allocator`'s setting, made
+when this module loads (it imports no torch), so worker processes it starts inherit it.
 """
 
 from __future__ import annotations
@@ -18,10 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from plora_hpo.allocator import use_default_allocator
 from plora_hpo.errors import PloraError, disk_full
 from plora_hpo.local_workers import AWAIT_ARGUMENTS, LocalWorkers, await_arguments, report_done
 from plora_hpo.storage import GRACE_HEARTBEATS, HEARTBEAT_SECONDS
-from plora_hpo.timeline import phase, record, watch_collections
+from plora_hpo.timeline import EXIT_PHASE, phase, record, watch_collections
 from plora_hpo.trials import TrialInterrupted
 
 if TYPE_CHECKING:
@@ -29,6 +33,7 @@ if TYPE_CHECKING:
     from plora_hpo.replica import Replica
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+use_default_allocator()
 
 
 def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
@@ -111,9 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-EXIT_PHASE = "exit"
-"""The timeline's record of a ``plora-hpo`` process about to exit: whether it takes Python's
-teardown (``teardown``) and which threads that waits for (``waits_for``)."""
 
 
 class Preemption:

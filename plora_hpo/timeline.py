@@ -32,6 +32,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 ENV = "PLORA_HPO_TIMELINE"
+EXIT_PHASE = "exit"
+"""The timeline's record of a ``plora-hpo`` process about to exit: whether it takes Python's
+teardown (``teardown``) and which threads that waits for (``waits_for``)."""
 _lock = threading.Lock()
 _files: dict[str, object] = {}
 

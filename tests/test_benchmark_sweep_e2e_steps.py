@@ -3,11 +3,15 @@ its GPU sampler averages the samples inside given spans, and the GPU's idle seco
 phase they fell in; the tail after the last step says when each thread ended; it writes the bytecode a package on
 PYTHONPATH lacks before anything is timed; an earlier call's sweep stands in for this call's only when it ran the
 same workload and sweep file; a sequential trial still running when the call's budget ends is stopped, and the
-trials done before it are the measurement."""
+trials done before it are the measurement; a baseline config whose loss went non-finite is named; the baselines keep
+this environment's CUDA allocator setting while the sweep gets the program's."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,6 +28,8 @@ from sweep_e2e import (  # noqa: E402
     sweep_key,
     write_bytecode,
 )
+
+from plora_hpo.allocator import DEFAULT, VARIABLES  # noqa: E402
 
 
 def segment(members: int, steps: int, device: str = "cuda:0") -> dict:
@@ -189,3 +195,28 @@ def test_a_sequential_trial_past_the_budget_is_stopped_and_the_trials_before_it_
     assert [r["params"]["rank"] for r in out["measured"]["trials"]] == [8]
     assert out["measured"]["configs"] == 1 and 0.2 <= out["measured"]["wall_s"] < 1.5
     assert out["errors"] and "--budget-s ran out" in out["errors"][0]
+
+
+def test_a_baseline_config_whose_loss_went_non_finite_is_named(capsys):
+    # the device's own output: one of four co-located PEFT trials ended with a NaN loss, its sweep twin did not
+    result = json.loads((REPO / "benchmarks/results/sweep-e2e-mrpc-800s-colocated-h100.json").read_text())
+    summary = sweep_e2e.summarize(result, 32)
+    nan_config = {"rank": 8, "alpha_multiplier": 4.0, "learning_rate": 0.0004, "batch_size": 2}
+    assert summary["colocated_nonfinite_loss"] == [{"params": nan_config, "sides": ["colocated"]}]
+    assert len(result["colocated"]["per_trial"]) == 4
+    result["summary"] = summary
+    sweep_e2e.print_table(result)
+    assert f"final loss not finite (colocated): {nan_config}" in capsys.readouterr().out
+
+
+def test_the_baselines_keep_this_environments_allocator_while_the_sweep_gets_the_programs():
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    script = (
+        "import json, os, sys; sys.path.insert(0, 'benchmarks'); import sweep_e2e; "
+        "sweep_e2e.summarize_timeline([], 0.0, 1.0); record = sweep_e2e.allocator_record(); "
+        f"print(json.dumps([record, {{k: os.environ.get(k) for k in {VARIABLES!r}}}]))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True, check=True)
+    record, after = json.loads(out.stdout)
+    assert record == {"sweep": {"PYTORCH_CUDA_ALLOC_CONF": DEFAULT}, "baselines": {}}
+    assert after == dict.fromkeys(VARIABLES)  # nothing the benchmark ran set it for the baselines' processes

@@ -15,14 +15,14 @@ from transformers import AutoConfig
 
 from plora_hpo import cli as cli_module
 from plora_hpo import run as run_module
-from plora_hpo.cli import EXIT_PHASE, main
+from plora_hpo.cli import main
 from plora_hpo.config import SweepConfig, load_sweep
 from plora_hpo.errors import PloraError
 from plora_hpo.local_workers import AWAIT_ARGUMENTS, AWAIT_STUDY_PHASE, DONE_FD_ENV, LocalWorkers
 from plora_hpo.replica import load_replica, replica_key
 from plora_hpo.run import SweepRun
 from plora_hpo.sweep import PackedSweep
-from plora_hpo.timeline import ENV
+from plora_hpo.timeline import ENV, EXIT_PHASE
 
 from .test_sweep_e2e import small_sweep
 

@@ -1,0 +1,29 @@
+"""On a GPU, the allocator setting the CLI program makes is the one torch's caching allocator runs with."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from plora_hpo.allocator import VARIABLES
+from tests.gpu.conftest import REPO
+
+SCRIPT = (
+    "import plora_hpo.cli, torch; x = torch.empty(64 << 20, device='cuda'); "
+    "print(sorted({s['is_expandable'] for s in torch.cuda.memory._snapshot()['segments']}))"
+)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"), [({}, "[True]"), ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, "[False]")]
+)
+def test_cuda_segments_expand_unless_the_user_says_otherwise(env, expected):
+    base = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env={**base, "PYTHONPATH": str(REPO), **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == expected
