@@ -2,8 +2,9 @@
 
 Every user-facing failure prints one ``error:`` line naming the problem and the fix, and exits 2.
 
-The program runs torch's CUDA caching allocator with :mod:`plora_hpo.allocator`'s setting, made
-when this module loads (it imports no torch), so worker processes it starts inherit it.
+The program (:func:`entry`) runs torch's CUDA caching allocator with :mod:`plora_hpo.allocator`'s
+setting, made before the command loads torch; worker processes it starts inherit it. Importing
+this module, or calling :func:`main` from a process of one's own, leaves the allocator alone.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from plora_hpo.replica import Replica
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-use_default_allocator()
 
 
 def _add_sweep_parser(sub: argparse._SubParsersAction) -> None:
@@ -459,6 +459,7 @@ def entry(argv: list[str] | None = None) -> NoReturn:
     A sweep's own worker process tells the sweep its code first (:func:`report_done`), so the
     sweep closes while this process exits.
     """
+    use_default_allocator()  # before main loads torch, which reads it once
     code = main(argv)
     others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
     now = time.time()  # on the timeline (when on): how this process exits, and which threads it waits for

@@ -1,4 +1,4 @@
-"""The CUDA allocator setting: the default unless the user set one, made by the CLI before torch loads."""
+"""The CUDA allocator setting: the default unless the user set one, made by the program before torch loads."""
 
 from __future__ import annotations
 
@@ -29,13 +29,16 @@ def test_a_users_setting_under_either_name_is_kept_alone(name, value):
     assert environ == {name: value}
 
 
-def _after_cli_import(**env: str) -> dict:
-    """The allocator variables after ``import plora_hpo.cli`` in a fresh interpreter, and whether torch had loaded."""
+def _as_main_sees_it(**env: str) -> dict:
+    """In a fresh interpreter: the allocator variables after ``import plora_hpo.cli``, and those
+    that :func:`plora_hpo.cli.main` sees when the program (``entry``) calls it, with whether torch
+    had loaded by then (``main`` is replaced by a probe; the command itself does not matter)."""
     base = {k: v for k, v in os.environ.items() if k not in VARIABLES}
     script = (
-        "import json, os, sys; import plora_hpo.cli; "
-        f"print(json.dumps({{'vars': {{k: os.environ.get(k) for k in {VARIABLES!r}}}, "
-        "'torch_loaded': 'torch' in sys.modules}))"
+        "import json, os, sys; import plora_hpo.cli as cli; "
+        f"seen = lambda: {{k: os.environ.get(k) for k in {VARIABLES!r}}}; imported = seen(); "
+        "cli.main = lambda argv: print(json.dumps({'imported': imported, 'main': seen(), "
+        "'torch_loaded': 'torch' in sys.modules})) or 0; cli.entry([])"
     )
     out = subprocess.run(
         [sys.executable, "-c", script],
@@ -47,13 +50,14 @@ def _after_cli_import(**env: str) -> dict:
     return json.loads(out.stdout)
 
 
-def test_the_program_sets_the_default_before_torch_loads():
-    seen = _after_cli_import()
-    assert seen["vars"] == {"PYTORCH_CUDA_ALLOC_CONF": DEFAULT, "PYTORCH_ALLOC_CONF": None}
+def test_the_program_sets_the_default_before_torch_loads_and_an_import_does_not():
+    seen = _as_main_sees_it()
+    assert seen["imported"] == dict.fromkeys(VARIABLES)  # a process of one's own that imports the CLI: untouched
+    assert seen["main"] == {"PYTORCH_CUDA_ALLOC_CONF": DEFAULT, "PYTORCH_ALLOC_CONF": None}
     assert not seen["torch_loaded"]  # torch reads the variable once: it must not have loaded yet
 
 
 @pytest.mark.parametrize(("name", "value"), USERS)
 def test_the_program_keeps_the_users_setting(name, value):
-    seen = _after_cli_import(**{name: value})
-    assert seen["vars"] == {k: (value if k == name else None) for k in VARIABLES}
+    seen = _as_main_sees_it(**{name: value})
+    assert seen["main"] == {k: (value if k == name else None) for k in VARIABLES}

@@ -1,4 +1,5 @@
-"""On a GPU, the allocator setting the CLI program makes is the one torch's caching allocator runs with."""
+"""On a GPU, the allocator setting the program makes is the one torch's caching allocator runs with
+(``main`` replaced by a probe that allocates, as a command would after ``entry`` set it)."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ from plora_hpo.allocator import VARIABLES
 from tests.gpu.conftest import REPO
 
 SCRIPT = (
-    "import plora_hpo.cli, torch; x = torch.empty(64 << 20, device='cuda'); "
-    "print(sorted({s['is_expandable'] for s in torch.cuda.memory._snapshot()['segments']}))"
+    "import plora_hpo.cli as cli\n"
+    "def probe(argv):\n"
+    "    import torch\n"
+    "    x = torch.empty(64 << 20, device='cuda')\n"
+    "    print(sorted({s['is_expandable'] for s in torch.cuda.memory._snapshot()['segments']}))\n"
+    "    return 0\n"
+    "cli.main = probe\n"
+    "cli.entry([])\n"
 )
 
 
