@@ -12,11 +12,17 @@ times its parts with the device synchronised:
   (``host_copies(shared=True)``, a checkpoint's, per dtype);
 * ``pageable``: ``tensor.to("cpu")`` one after the other.
 
+``--allocator`` repeats the page-locked strategies under other settings of torch's allocator
+(``PYTORCH_CUDA_ALLOC_CONF`` of the child process), such as page-locking ``malloc``-ed memory with
+several threads (``pinned_use_cuda_host_register``, ``pinned_num_register_threads``) instead of
+``cudaHostAlloc``; without it, torch's default only. A ``pageable`` copy allocates no page-locked
+memory, so it runs under the default alone.
+
 Device::
 
     python3 benchmarks/checkpoint_capture.py --out $OUT
 
-prints a table and writes ``checkpoint-capture-h200.json``.
+prints a table and writes ``checkpoint-capture-<gpu>.json`` (such as ``-h200``).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bootstrap  # noqa: F401  (plora_hpo importable from a bare checkout)
+
+from plora_hpo.allocator import VARIABLES as ALLOCATOR_VARIABLES
 
 STRATEGIES = ("per-tensor", "one-buffer", "pageable")
 
@@ -96,6 +104,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="qwen2.5-1.5b")
     p.add_argument("--ranks", default="8,128")
+    p.add_argument(
+        "--allocator",
+        action="append",
+        default=[],
+        metavar="SETTINGS",
+        help="PYTORCH_CUDA_ALLOC_CONF for the page-locked strategies, besides torch's default (repeatable)",
+    )
+    p.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, of " + ", ".join(STRATEGIES))
     p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -103,33 +119,42 @@ def main() -> None:
         child(args.child[0], args.child[1], int(args.child[2]))
         return
     import torch
-    from sweep_e2e import device_info, versions
+    from sweep_e2e import device_info, gpu_tag, versions
 
+    strategies = args.strategies.split(",")
+    unknown = sorted(set(strategies) - set(STRATEGIES))
+    if unknown:
+        p.error(f"--strategies: unknown {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
+    base = {k: v for k, v in os.environ.items() if k not in ALLOCATOR_VARIABLES}
     results = []
     for rank in [int(r) for r in args.ranks.split(",")]:
-        for strategy in STRATEGIES:
-            cmd = [sys.executable, __file__, "--child", strategy, args.shape, str(rank)]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
-            results.append({"rank": rank, **json.loads(done.stdout.strip().splitlines()[-1])})
+        for strategy in strategies:
+            for settings in [None, *(args.allocator if strategy != "pageable" else [])]:
+                cmd = [sys.executable, __file__, "--child", strategy, args.shape, str(rank)]
+                env = base if settings is None else {**base, ALLOCATOR_VARIABLES[0]: settings}
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True, env=env)
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                results.append({"rank": rank, "allocator": settings, **row})
+    info = device_info()
     report = {
         "benchmark": "checkpoint_capture",
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        **device_info(),
+        **info,
         "versions": versions(),
         "torch_cuda": torch.version.cuda,
         "shape": args.shape,
         "results": results,
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "checkpoint-capture-h200.json").write_text(json.dumps(report, indent=1) + "\n")
-    head = ("rank", "strategy", "GB", "tensors", "cold alloc", "cold copy", "warm alloc", "warm copy")
-    print("{:>4} {:11} {:>5} {:>7} {:>10} {:>9} {:>10} {:>9}".format(*head))
+    (args.out / f"checkpoint-capture-{gpu_tag(info)}.json").write_text(json.dumps(report, indent=1) + "\n")
+    head = ("rank", "strategy", "GB", "tensors", "cold alloc", "cold copy", "warm alloc", "warm copy", "allocator")
+    print("{:>4} {:11} {:>5} {:>7} {:>10} {:>9} {:>10} {:>9}  {}".format(*head))
     for r in results:
         cold, warm = r["runs"]
         print(
             f"{r['rank']:>4} {r['strategy']:11} {r['gb']:5.2f} {r['tensors']:>7} {cold['allocate_s']:10.3f} "
-            f"{cold['copy_s']:9.3f} {warm['allocate_s']:10.3f} {warm['copy_s']:9.3f}"
+            f"{cold['copy_s']:9.3f} {warm['allocate_s']:10.3f} {warm['copy_s']:9.3f}  {r['allocator'] or 'default'}"
         )
 
 
