@@ -1,5 +1,6 @@
 """On a GPU, the allocator setting the program makes is the one torch's caching allocator runs with
-(``main`` replaced by a probe that allocates, as a command would after ``entry`` set it)."""
+(``main`` replaced by a probe that allocates device and page-locked host memory, as a command
+would after ``entry`` set it)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ SCRIPT = (
     "import plora_hpo.cli as cli\n"
     "def probe(argv):\n"
     "    import torch\n"
-    "    x = torch.empty(64 << 20, device='cuda')\n"
+    "    x = torch.ones(64 << 20, device='cuda')\n"
+    "    host = torch.empty(64 << 20, pin_memory=True)\n"  # the host allocator's settings in force too
+    "    host.copy_(x, non_blocking=True); torch.cuda.synchronize(); assert bool(host.eq(1).all())\n"
     "    print(sorted({s['is_expandable'] for s in torch.cuda.memory._snapshot()['segments']}))\n"
     "    return 0\n"
     "cli.main = probe\n"
