@@ -40,9 +40,10 @@ def _as_main_sees_it(**env: str) -> dict:
         "cli.main = lambda argv: print(json.dumps({'imported': imported, 'main': seen(), "
         "'torch_loaded': 'torch' in sys.modules})) or 0; cli.entry([])"
     )
+    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # where the deps may be
     out = subprocess.run(
         [sys.executable, "-c", script],
-        env={**base, "PYTHONPATH": str(REPO), **env},
+        env={**base, "PYTHONPATH": path, **env},
         capture_output=True,
         text=True,
         check=True,
