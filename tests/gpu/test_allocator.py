@@ -18,7 +18,7 @@ SCRIPT = (
     "def probe(argv):\n"
     "    import torch\n"
     "    x = torch.ones(64 << 20, device='cuda')\n"
-    "    host = torch.empty(64 << 20, pin_memory=True)\n"  # the host allocator's settings in force too
+    "    host = torch.empty(64 << 20, pin_memory=True)\n"  # page-locking works under them too
     "    host.copy_(x, non_blocking=True); torch.cuda.synchronize(); assert bool(host.eq(1).all())\n"
     "    print(sorted({s['is_expandable'] for s in torch.cuda.memory._snapshot()['segments']}))\n"
     "    return 0\n"
