@@ -31,10 +31,11 @@ Where the sweep and a baseline do not fit in one device call together, ``--sweep
 sweep from an earlier call's JSON on the same machine (same options, so the same seeded model and
 sweep file) and runs only the baselines against it; key ``sweep_from`` names that call.
 
-The sweep runs with ``plora-hpo``'s CUDA allocator setting (expandable segments unless this
-environment sets one), the baselines with this environment's, as a user's own scripts would: key
-``allocator`` holds both. Per config, the baselines' values are compared with the sweep's, and a
-config whose final training loss is not finite on either side is named (``*_nonfinite_loss``).
+The sweep runs with ``plora-hpo``'s CUDA allocator settings (the program's default,
+:data:`plora_hpo.allocator.DEFAULT`, unless this environment sets them), the baselines with this
+environment's, as a user's own scripts would: key ``allocator`` holds both. Per config, the
+baselines' values are compared with the sweep's, and a config whose final training loss is not
+finite on either side is named (``*_nonfinite_loss``).
 
 The baselines take longer than one device call allows for 32 configs, so they run a subset of the
 sweep's configs (spread over batch sizes and ranks) and the JSON says which numbers are measured

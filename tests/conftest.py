@@ -27,6 +27,12 @@ if not torch.cuda.is_available():  # before anything imports triton: kernels run
 REPO = Path(__file__).resolve().parents[1]
 
 
+def child_pythonpath() -> str:
+    """``PYTHONPATH`` for a test's child interpreter: the repository, then the caller's own (where an
+    environment such as the GPU image keeps the packages it added)."""
+    return os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 class FakeClock:
     """A clock a test moves by hand (``clock.now += seconds``)."""
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from plora_hpo.allocator import DEFAULT, VARIABLES, allocator_settings, use_default_allocator
-from tests.conftest import REPO
+from tests.conftest import child_pythonpath
 
 USERS = [("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64"), ("PYTORCH_ALLOC_CONF", "backend:native")]
 
@@ -40,10 +40,9 @@ def _as_main_sees_it(**env: str) -> dict:
         "cli.main = lambda argv: print(json.dumps({'imported': imported, 'main': seen(), "
         "'torch_loaded': 'torch' in sys.modules})) or 0; cli.entry([])"
     )
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # where the deps may be
     out = subprocess.run(
         [sys.executable, "-c", script],
-        env={**base, "PYTHONPATH": path, **env},
+        env={**base, "PYTHONPATH": child_pythonpath(), **env},
         capture_output=True,
         text=True,
         check=True,

@@ -13,7 +13,7 @@ from mlflow.exceptions import MlflowException
 
 from plora_hpo._mlflow_http import REQUEST_LIMITS, BoundedClient, bounded_requests
 from plora_hpo.tracking import SweepTracker
-from tests.conftest import REPO
+from tests.conftest import child_pythonpath
 from tests.net import free_port
 
 DEAD_SERVER_SECONDS = 10.0  # MLflow's defaults (7 retries, backoff factor 2) take minutes here
@@ -30,7 +30,11 @@ def test_importing_the_tracker_leaves_the_environment_unchanged():
         "print(sorted(set(os.environ.items()) ^ set(before.items())))"
     )
     out = subprocess.run(
-        [sys.executable, "-c", script], env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, check=True
+        [sys.executable, "-c", script],
+        env={**env, "PYTHONPATH": child_pythonpath()},
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert out.stdout.strip() == "[('MLFLOW_DISABLE_TELEMETRY', 'true')]"  # the CLI program's own choice only
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from plora_hpo.allocator import VARIABLES
-from tests.gpu.conftest import REPO
+from tests.conftest import child_pythonpath
 
 SCRIPT = (
     "import plora_hpo.cli as cli\n"
@@ -32,9 +32,11 @@ SCRIPT = (
 )
 def test_cuda_segments_expand_unless_the_user_says_otherwise(env, expected):
     base = {k: v for k, v in os.environ.items() if k not in VARIABLES}
-    path = os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])  # where the deps may be
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env={**base, "PYTHONPATH": path, **env}, capture_output=True, text=True
+        [sys.executable, "-c", SCRIPT],
+        env={**base, "PYTHONPATH": child_pythonpath(), **env},
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == expected
