@@ -50,6 +50,16 @@ class JobThread:
         with self._changed:
             return not self._must_wait(nbytes)
 
+    def queued(self) -> int:
+        """Jobs submitted and not yet started (the running one, if any, aside)."""
+        with self._changed:
+            return len(self._jobs)
+
+    def idle(self) -> bool:
+        """Whether no job runs and none waits."""
+        with self._changed:
+            return not self._jobs and not self._busy
+
     def raise_failure(self) -> None:
         """Raise the first error a job raised since the last look, if any (once); waits for nothing."""
         with self._changed:

@@ -194,6 +194,9 @@ class DeviceWorker:
         # copies are what the next copies reuse. The finishing thread reports runs and hands results over.
         self.exporter = JobThread(f"plora-{self.name}-exports", FINISHING_QUEUE_BYTES)
         self.finisher = JobThread(f"plora-{self.name}-finishing", 0)
+        # settled trials' checkpoints, to be removed once no finished trial is left to record here
+        self._held_removals: list[tuple[CheckpointStore, int]] = []
+        self._removals_lock = threading.Lock()
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
         # the first full disk a finished trial's record met: the records queued behind it resume
         # their trials without writing (each write would fill the disk again, under the stores' writes)
@@ -273,18 +276,40 @@ class DeviceWorker:
         self.finisher.raise_failure()
 
     def drain_finishing(self) -> None:
-        """Wait until every finished trial queued so far is recorded (files, then run and result);
-        then raise the first error either stage kept."""
+        """Wait until every finished trial queued so far is recorded (files, then run and result),
+        and their checkpoints' removals have started; then raise the first error either stage kept."""
         errors: list[BaseException] = []
         for stage in (self.exporter, self.finisher):  # the exports queue the reports: they drain first
             try:
                 stage.drain()
             except BaseException as err:
                 errors.append(err)
+        self.release_removals()
         for err in errors[1:]:
             log.info("recording a finished trial failed too: %s", first_line(err))
         if errors:
             raise errors[0]
+
+    def remove_checkpoint(self, request: TrialRequest) -> None:
+        """Remove a settled trial's checkpoint once this device has no finished trial left to record.
+
+        Removing a file of gigabytes keeps the file system's journal busy for tenths of a second,
+        and every store commit waits for it meanwhile: MLflow's runs, Optuna's results and
+        heartbeats. When a pack's trials finish together, removals interleaved with their records
+        made each record several times slower; held back, they run once the records are done.
+        """
+        with self._removals_lock:
+            self._held_removals.append((self.checkpoints(request.task), request.lineage))
+        # on the finishing thread its own record is the running job: only queued ones count
+        if self.exporter.idle() and not self.finisher.queued():
+            self.release_removals()
+
+    def release_removals(self) -> None:
+        """Hand the held checkpoint removals to the writer (each runs after the saves queued before it)."""
+        with self._removals_lock:
+            held, self._held_removals = self._held_removals, []
+        for store, lineage in held:
+            self.writer.delete(store, lineage)
 
     def fits(self, configs: list[Any], limit: float | None = None) -> bool:
         """Whether ``configs`` make a pack this device takes: at most ``pack.size`` of them, predicted
@@ -314,6 +339,7 @@ class DeviceWorker:
         try:
             self._serve_packs()
         finally:
+            self.release_removals()
             try:
                 self.writer.flush()
             except Exception as err:  # the lineage keeps its previous checkpoint
@@ -983,7 +1009,7 @@ class _Pack:
     def _settle(self, slot: _Slot, outcome: TrialOutcome) -> None:
         """A trial out of the pack: its checkpoint goes (after its queued saves), its result is handed over."""
         with phase("checkpoint"):
-            self.worker.writer.delete(self.worker.checkpoints(slot.request.task), slot.request.lineage)
+            self.worker.remove_checkpoint(slot.request)
         with phase("optuna"):
             slot.ticket.finish(outcome)
         with phase("progress"):

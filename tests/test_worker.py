@@ -250,6 +250,40 @@ def test_a_finished_trial_s_files_are_written_while_the_one_before_is_reported(t
         assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
 
 
+def test_checkpoints_of_trials_that_finish_together_go_once_all_are_recorded(tmp_path, monkeypatch):
+    """Two trials finish together: the first one's checkpoint stays on disk while the second one
+    is still being recorded (removing it would hold up that record's store commits), and neither
+    is left once the sweep is done."""
+    sweep, study, _ = open_sweep(
+        tmp_path, "removals", budget={"steps": 3}, pack={"size": 2, "gather_seconds": 10}, train={"checkpoint_every": 1}
+    )
+    checkpoints = sweep.run_dir / "checkpoints"
+    real_completed, seen = sweep.reporter.trial_completed, []
+
+    def slow_completed(record, pack_id, metrics, adapter_dir, stats):
+        if not seen:  # the second trial's files are written, so its record is queued behind this one
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and not [
+                d for d in adapter_dir.parent.iterdir() if d != adapter_dir and (d / "adapter_config.json").is_file()
+            ]:
+                time.sleep(0.05)
+            time.sleep(0.3)
+        else:
+            time.sleep(1.0)  # time enough for a removal started when the first record ended
+        seen.append(len(list(checkpoints.rglob("t*.pt"))))
+        return real_completed(record, pack_id, metrics, adapter_dir, stats)
+
+    monkeypatch.setattr(sweep.reporter, "trial_completed", slow_completed)
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=2, n_jobs=2)
+    finally:
+        sweep.close()
+
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+    assert seen == [2, 2]  # both checkpoints still there during the second record
+    assert not list(checkpoints.rglob("t*.pt"))  # and both gone after
+
+
 def test_a_finished_trial_s_curve_reaches_mlflow_while_it_is_scored(tmp_path):
     """The curve's last steps go out as the scoring starts, beside it, not after it with the
     run's last report: the scorer waits here until MLflow holds every step of each trial it scores."""
