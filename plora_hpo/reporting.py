@@ -214,10 +214,13 @@ class MlflowReporter(_SegmentLog):
             return run_id
         return self.tracker.start_trial(request.adapter_id, self.trial_params(request), tags)
 
-    def _log(self, run_id: str, rows: list[tuple[str, float, int]], *, done: bool = True) -> None:
+    def _log(
+        self, run_id: str, rows: list[tuple[str, float, int]], *, done: bool = True, tags: dict[str, str] | None = None
+    ) -> None:
         """Log the rows the run does not hold yet: those reported live, or a crashed predecessor's
-        (a retry retrains logged steps). ``done``: the run's last report, forget what it holds
-        (its live curve still waiting is dropped, one being sent is waited for)."""
+        (a retry retrains logged steps), with ``tags`` in the same call. ``done``: the run's last
+        report, forget what it holds (its live curve still waiting is dropped, one being sent is
+        waited for)."""
         if done:
             with self._live_changed:
                 self._live.pop(run_id, None)
@@ -226,7 +229,7 @@ class MlflowReporter(_SegmentLog):
         with self._lock:
             logged = self._logged.pop(run_id, {}) if done else self._logged.get(run_id, {})
             new = [r for r in rows if r[0] not in logged or r[2] > logged[r[0]]]
-        self.tracker.log_metrics(run_id, new)
+        self.tracker.log_metrics(run_id, new, tags)
         if not done:  # only rows the store took: a rejected live curve is the last report's to log
             with self._lock:
                 logged = self._logged.setdefault(run_id, {})
@@ -290,28 +293,27 @@ class MlflowReporter(_SegmentLog):
         rows += [(metric_key(k), v, 0) for k, v in metrics.items()]
         rows.append(("pack_tokens_per_second", stats.tokens_per_second, 0))
         rows.append(("pack_peak_memory_gib", stats.peak_memory_bytes / 2**30, 0))
-        self._log(record.run_id, rows)
-        self.tracker.set_tags(record.run_id, _end_tags(record, "COMPLETE"))
+        self._log(record.run_id, rows, tags=_end_tags(record, "COMPLETE"))
         kept = self.tracker.log_adapter(record.run_id, adapter_dir)
         self.tracker.end_trial(record.run_id)
         return kept
 
     def trial_pruned(self, record: TrialRecord, pack_id: str, step: int, metric: str) -> None:
-        self._log(record.run_id, curve_rows(record.curve) + intermediate_rows(record.intermediate, metric))
-        self.tracker.set_tags(record.run_id, {**_end_tags(record, "PRUNED"), "plora.pruned_at_step": str(step)})
+        rows = curve_rows(record.curve) + intermediate_rows(record.intermediate, metric)
+        self._log(record.run_id, rows, tags={**_end_tags(record, "PRUNED"), "plora.pruned_at_step": str(step)})
         self.tracker.end_trial(record.run_id, "KILLED")
 
     def trial_failed(self, record: TrialRecord, pack_id: str, reason: str) -> None:
-        self._log(record.run_id, curve_rows(record.curve))
-        self.tracker.set_tags(record.run_id, {**_end_tags(record, "FAIL"), "plora.fail_reason": reason})
+        tags = {**_end_tags(record, "FAIL"), "plora.fail_reason": reason}
+        self._log(record.run_id, curve_rows(record.curve), tags=tags)
         self.tracker.end_trial(record.run_id, "FAILED")
 
     def trial_abandoned(self, run_id: str) -> None:
         self.tracker.end_trial(run_id, "FAILED")
 
     def trial_interrupted(self, record: TrialRecord) -> None:
-        self._log(record.run_id, curve_rows(record.curve))
-        self.tracker.set_tags(record.run_id, {"plora.interrupted": "checkpointed; its retry continues this run"})
+        interrupted = {"plora.interrupted": "checkpointed; its retry continues this run"}
+        self._log(record.run_id, curve_rows(record.curve), tags=interrupted)
         self.tracker.end_trial(record.run_id, "KILLED")
 
 

@@ -457,8 +457,7 @@ class SweepRun:
         folder = self.run_dir / "summary"
         folder.mkdir(exist_ok=True)
         (folder / "trials.json").write_text(json.dumps(table, indent=1, default=str) + "\n")
-        self.tracker.log_metrics(parent, rows)
-        self.tracker.set_tags(parent, tags)
+        self.tracker.log_metrics(parent, rows, tags)
         self.tracker.log_folder(parent, folder, "summary")
 
     def _release(self) -> None:

@@ -283,19 +283,27 @@ class SweepTracker:
         return placeholder
 
     def _log_params(self, run_id: str, params: dict[str, Any]) -> None:
-        self._log_batch(run_id, "params", [Param(k, str(v)) for k, v in params.items()])
+        self._log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
 
-    def log_metrics(self, run_id: str, rows: Iterable[tuple[str, float, int]]) -> None:
-        """Log ``(key, value, step)`` rows, stamped now (MLflow's client splits them into calls it accepts)."""
+    def log_metrics(
+        self, run_id: str, rows: Iterable[tuple[str, float, int]], tags: dict[str, str] | None = None
+    ) -> None:
+        """Log ``(key, value, step)`` rows, stamped now, and ``tags`` with them: one call, which a
+        local store applies in one transaction (MLflow's client splits it into calls it accepts)."""
         now = get_current_time_millis()
-        self._log_batch(run_id, "metrics", [Metric(k, float(v), now, int(s)) for k, v, s in rows])
+        self._log_batch(
+            run_id,
+            metrics=[Metric(k, float(v), now, int(s)) for k, v, s in rows],
+            tags=[RunTag(k, str(v)) for k, v in (tags or {}).items()],
+        )
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
-        self._log_batch(run_id, "tags", [RunTag(k, str(v)) for k, v in tags.items()])
+        self._log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
 
-    def _log_batch(self, run_id: str, kind: str, items: list[Param] | list[Metric] | list[RunTag]) -> None:
-        if items:  # an empty call would still wait in the queue during an outage
-            self._queue.submit(Op("batch", run_id, {kind: items}))
+    def _log_batch(self, run_id: str, **items: list[Param] | list[Metric] | list[RunTag]) -> None:
+        payload = {kind: entries for kind, entries in items.items() if entries}
+        if payload:  # an empty call would still wait in the queue during an outage
+            self._queue.submit(Op("batch", run_id, payload))
 
     def log_adapter(self, run_id: str, adapter_dir: Path) -> Path:
         """The PEFT adapter folder becomes the run's ``adapter/`` artifact; returns where the adapter is kept.

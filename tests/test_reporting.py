@@ -94,12 +94,12 @@ def test_live_curves_leave_the_training_thread_and_a_finished_run_waits_for_one_
     sending, release, senders = threading.Event(), threading.Event(), []
     log_metrics = tracker.log_metrics
 
-    def slow_store(run_id, rows):  # the fault: a tracking store that takes its time
+    def slow_store(run_id, rows, tags=None):  # the fault: a tracking store that takes its time
         senders.append(threading.current_thread().name)
         if threading.current_thread().name == "mlflow-live-curves" and not release.is_set():
             sending.set()
             assert release.wait(30)
-        log_metrics(run_id, rows)
+        log_metrics(run_id, rows, tags)
 
     tracker.log_metrics = slow_store
     record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2, 3)]
@@ -129,9 +129,9 @@ def test_live_curves_keep_to_their_share_of_the_process_time(tmp_path: Path, clo
     tracker, reporter, record, client = _one_trial(tmp_path, clock=clock)
     log_metrics = tracker.log_metrics
 
-    def slow_store(run_id, rows):  # the fault: each call takes a second of the reporter's clock
+    def slow_store(run_id, rows, tags=None):  # the fault: each call takes a second of the reporter's clock
         clock.now += 1.0
-        log_metrics(run_id, rows)
+        log_metrics(run_id, rows, tags)
 
     tracker.log_metrics = slow_store
 
@@ -167,10 +167,10 @@ def test_a_trained_curve_goes_out_beside_its_scoring_whatever_the_share(tmp_path
     tracker, reporter, record, client = _one_trial(tmp_path, clock=clock)
     log_metrics, sent = tracker.log_metrics, []
 
-    def slow_store(run_id, rows):  # each call takes a second of the reporter's clock
+    def slow_store(run_id, rows, tags=None):  # each call takes a second of the reporter's clock
         sent.append((threading.current_thread().name, sorted({key for key, _, _ in rows})))
         clock.now += 1.0
-        log_metrics(run_id, rows)
+        log_metrics(run_id, rows, tags)
 
     tracker.log_metrics = slow_store
     record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2)]
@@ -202,11 +202,11 @@ def test_a_live_curve_the_store_rejects_is_logged_by_the_run_s_last_report(tmp_p
     tracker, reporter, record, client = _one_trial(tmp_path)
     log_metrics, rejected = tracker.log_metrics, []
 
-    def rejecting_store(run_id, rows):  # the fault: the store rejects the first live curve
+    def rejecting_store(run_id, rows, tags=None):  # the fault: the store rejects the first live curve
         if threading.current_thread().name == "mlflow-live-curves" and not rejected:
             rejected.append(len(rows))
             raise RuntimeError("rejected (injected)")
-        log_metrics(run_id, rows)
+        log_metrics(run_id, rows, tags)
 
     tracker.log_metrics = rejecting_store
     record.curve += [(s, 3.0 - 0.1 * s, 2e-4) for s in (1, 2, 3)]

@@ -16,7 +16,8 @@ def test_parent_and_child_runs_on_a_real_server(mlflow_server, tmp_path):
     tracker.check_reachable()
     parent = tracker.start("sweep-1", {"model": "smollm2-135m", "seq_len": 64})
     child = tracker.start_trial("synthetic-t0", {"rank": 16, "alpha": 16.0}, {"plora.pack_id": "pack-0"})
-    tracker.log_metrics(child, [("train_loss", 3.0 - 0.1 * s, s) for s in range(1, 1501)])  # > 1000 rows
+    rows = [("train_loss", 3.0 - 0.1 * s, s) for s in range(1, 1501)]  # > 1000 rows
+    tracker.log_metrics(child, rows, {"plora.state": "COMPLETE"})  # tags ride along in the same call
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text("{}")
@@ -28,6 +29,7 @@ def test_parent_and_child_runs_on_a_real_server(mlflow_server, tmp_path):
     run = client.get_run(child)
     assert run.data.tags["mlflow.parentRunId"] == parent
     assert run.data.params["rank"] == "16"
+    assert run.data.tags["plora.state"] == "COMPLETE"
     history = client.get_metric_history(child, "train_loss")
     assert [m.step for m in history] == list(range(1, 1501))
     assert [a.path for a in client.list_artifacts(child, "adapter")] == ["adapter/adapter_config.json"]
