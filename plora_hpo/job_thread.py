@@ -50,11 +50,6 @@ class JobThread:
         with self._changed:
             return not self._must_wait(nbytes)
 
-    def queued(self) -> int:
-        """Jobs submitted and not yet started (the running one, if any, aside)."""
-        with self._changed:
-            return len(self._jobs)
-
     def idle(self) -> bool:
         """Whether no job runs and none waits."""
         with self._changed:

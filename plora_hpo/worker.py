@@ -276,36 +276,38 @@ class DeviceWorker:
         self.finisher.raise_failure()
 
     def drain_finishing(self) -> None:
-        """Wait until every finished trial queued so far is recorded (files, then run and result),
-        and their checkpoints' removals have started; then raise the first error either stage kept."""
+        """Wait until every finished trial queued so far is recorded (files, then run and result);
+        then raise the first error either stage kept."""
         errors: list[BaseException] = []
         for stage in (self.exporter, self.finisher):  # the exports queue the reports: they drain first
             try:
                 stage.drain()
             except BaseException as err:
                 errors.append(err)
-        self.release_removals()
         for err in errors[1:]:
             log.info("recording a finished trial failed too: %s", first_line(err))
         if errors:
             raise errors[0]
 
     def remove_checkpoint(self, request: TrialRequest) -> None:
-        """Remove a settled trial's checkpoint once this device has no finished trial left to record.
+        """Remove a settled trial's checkpoint later: when this device trains its next step with no
+        finished trial left to record, or waits for trials, or stops serving.
 
         Removing a file of gigabytes keeps the file system's journal busy for tenths of a second,
         and every store commit waits for it meanwhile: MLflow's runs, Optuna's results and
         heartbeats. When a pack's trials finish together, removals interleaved with their records
-        made each record several times slower; held back, they run once the records are done.
+        and results made each of those several times slower, the device idle meanwhile.
         """
         with self._removals_lock:
             self._held_removals.append((self.checkpoints(request.task), request.lineage))
-        # on the finishing thread its own record is the running job: only queued ones count
-        if self.exporter.idle() and not self.finisher.queued():
-            self.release_removals()
 
-    def release_removals(self) -> None:
-        """Hand the held checkpoint removals to the writer (each runs after the saves queued before it)."""
+    def release_removals(self, *, unless_recording: bool = False) -> None:
+        """Hand the held checkpoint removals to the writer (each runs after the saves queued
+        before it); ``unless_recording``: not while a finished trial is still being recorded."""
+        if not self._held_removals:  # the training loop asks every step
+            return
+        if unless_recording and not (self.exporter.idle() and self.finisher.idle()):
+            return
         with self._removals_lock:
             held, self._held_removals = self._held_removals, []
         for store, lineage in held:
@@ -348,6 +350,7 @@ class DeviceWorker:
     def _serve_packs(self) -> None:
         while True:
             if not self.parked:
+                self.release_removals()
                 try:
                     with phase("idle"):
                         self.pool.wait()
@@ -804,6 +807,7 @@ class _Pack:
         return self.packed_steps + max(remaining, default=0)
 
     def _step(self) -> None:
+        self.worker.release_removals(unless_recording=True)
         positions = stream_positions(self.trainer)
         try:
             if not self._compiled:

@@ -12,13 +12,14 @@ from plora_hpo.job_thread import JobThread
 
 def test_jobs_run_in_order_on_their_thread_while_the_caller_goes_on():
     jobs = JobThread("plora-test-finishing", max_queued_bytes=1 << 20)
+    assert jobs.idle()
     gate, seen = threading.Event(), []
     jobs.submit(lambda: (gate.wait(10), seen.append((1, threading.current_thread().name))))
     jobs.submit(lambda: seen.append((2, threading.current_thread().name)))
-    assert seen == []  # submit returned while the first job waits at its gate
+    assert seen == [] and not jobs.idle()  # submit returned while the first job waits at its gate
     gate.set()
     jobs.drain()
-    assert seen == [(1, "plora-test-finishing"), (2, "plora-test-finishing")]
+    assert seen == [(1, "plora-test-finishing"), (2, "plora-test-finishing")] and jobs.idle()
 
 
 def test_a_failed_job_is_raised_once_and_the_jobs_behind_it_still_run():

@@ -19,6 +19,7 @@ from plora_hpo import PackedObjective, PackedSweep, SweepTracker, create_study, 
 from plora_hpo import worker as worker_module
 from plora_hpo.adapter import AdapterConfig
 from plora_hpo.admission import PlannerAdmission
+from plora_hpo.checkpoint_writer import CheckpointWriter
 from plora_hpo.engine import PackedTrainer
 from plora_hpo.study import serve
 
@@ -200,6 +201,13 @@ def test_the_pack_trains_on_while_its_finished_trials_are_recorded(tmp_path, mon
         return real_completed(record, *args)
 
     monkeypatch.setattr(sweep.reporter, "trial_completed", slow_completed)
+    real_delete, removed_at = CheckpointWriter.delete, []
+
+    def delete(self, store, lineage):  # when each finished trial's checkpoint removal is asked for
+        removed_at.append(len(steps))
+        return real_delete(self, store, lineage)
+
+    monkeypatch.setattr(CheckpointWriter, "delete", delete)
     try:
         study.optimize(PackedObjective(sweep, "synthetic"), n_trials=3, n_jobs=3)
     finally:
@@ -207,6 +215,7 @@ def test_the_pack_trains_on_while_its_finished_trials_are_recorded(tmp_path, mon
 
     assert waited == [True]  # training went on while that trial was being recorded
     assert len(steps) == 8 and len(steps[0]) == 2 and len(steps[-1]) == 1
+    assert len(removed_at) == 3 and max(removed_at[:2]) < 8  # the first two went while the third trained
     trials = study.trials
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3
     client = MlflowClient(tracker.tracking_uri)
