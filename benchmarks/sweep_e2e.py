@@ -504,8 +504,13 @@ def gpu_idle_by_phase(spans: list[tuple[float, float, str]], samples: list[tuple
 
 def is_worker_thread(name: str) -> bool:
     """A device's training loop (``plora-<device>``), not one of its background threads."""
-    background = name.endswith("-checkpoints") or is_finishing(name) or is_deleter(name)
+    background = name.endswith("-checkpoints") or is_finishing(name) or is_deleter(name) or is_loader(name)
     return name.startswith("plora-") and not background
+
+
+def is_loader(name: str) -> bool:
+    """The thread that loads the tasks' data beside the base model."""
+    return name.startswith("plora-load-data")
 
 
 def is_finishing(name: str) -> bool:
@@ -567,7 +572,7 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
     finishing = [e for e in events if is_finishing(e["thread"])]
     exits = [e for e in events if e["phase"] == EXIT_PHASE]
     loading = [  # processes' own, their data loading beside the model included
-        e for e in events if e["thread"].startswith(("MainThread", "plora-load-data")) and e["phase"] != EXIT_PHASE
+        e for e in events if (e["thread"] == "MainThread" or is_loader(e["thread"])) and e["phase"] != EXIT_PHASE
     ]
     events = [e for e in events if is_worker_thread(e["thread"])]
     if not events:
