@@ -59,6 +59,7 @@ from plora_hpo.study import (
     queue_grid,
     recover_stale_trials,
     serve,
+    settled_lineages,
 )
 from plora_hpo.sweep import PackedSweep, checkpoint_dir
 from plora_hpo.timeline import phase
@@ -246,6 +247,9 @@ class SweepRun:
                     self.retries[task] = len(recover_stale_trials(study))
                 else:  # workers elsewhere may be training: only trials whose heartbeat stopped
                     fail_stale_trials(study)
+                store = CheckpointStore(checkpoint_dir(run_dir, config, task))
+                for lineage in settled_lineages(study):  # left by a process stopped before removing them
+                    store.delete(lineage)
                 describe_for_workers(study, config, task, run_dir=run_dir, data_dir=self.data_dir)
             if self.sweep is not None:
                 self.eval_documents = self.sweep.eval_documents()

@@ -146,6 +146,22 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
     return [t.number for t in stale]
 
 
+def settled_lineages(study: optuna.Study) -> set[int]:
+    """Lineages that will not train again: a trial of theirs has its result (complete, pruned,
+    or failed on a non-finite loss or gradient) and none waits or runs. Their checkpoints are no
+    longer needed; a process stopped after a trial's result and before the removal of its
+    checkpoint leaves one behind."""
+    states = optuna.trial.TrialState
+    trials = study.get_trials(deepcopy=False)
+    live = {t.user_attrs.get("lineage", t.number) for t in trials if t.state in (states.WAITING, states.RUNNING)}
+    settled = {
+        t.user_attrs.get("lineage", t.number)
+        for t in trials
+        if t.state in (states.COMPLETE, states.PRUNED) or (t.state == states.FAIL and "fail_reason" in t.user_attrs)
+    }
+    return settled - live
+
+
 def serve(study: optuna.Study, objective: PackedObjective, *, n_trials: int, poll_seconds: float = 1.0) -> None:
     """Train the study's trials in this process until ``n_trials`` are finished, by any process.
 

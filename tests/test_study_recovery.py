@@ -9,7 +9,7 @@ from optuna.trial import TrialState
 
 from plora_hpo.config import load_sweep
 from plora_hpo.space import SearchSpace
-from plora_hpo.study import create_study, finished_trials, recover_stale_trials, study_name
+from plora_hpo.study import create_study, finished_trials, recover_stale_trials, settled_lineages, study_name
 
 DEMO = Path(__file__).resolve().parents[1] / "search_spaces" / "demo.yaml"
 
@@ -63,3 +63,21 @@ def test_create_study_leaves_running_trials_to_their_owner(tmp_path):
     SearchSpace(config.space, seed=config.seed).suggest(retry)
     assert retry.params == rerun.trials[1].params
     assert finished_trials(rerun) == 1
+
+
+def test_settled_lineages_are_those_with_a_result_and_no_retry_to_come(tmp_path):
+    """Complete, pruned and non-finite trials settle their lineage; an interrupted or stale
+    trial's does not (its retry continues from the checkpoint). A trial's lineage is its number
+    unless it continues an earlier trial's."""
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    study, _ = _crashed_study(storage)  # trial 0 COMPLETE, trial 1 RUNNING
+    create = optuna.trial.create_trial
+    study.add_trial(create(state=TrialState.PRUNED, user_attrs={"lineage": 2}))
+    study.add_trial(create(state=TrialState.FAIL, user_attrs={"lineage": 3, "fail_reason": "loss nan"}))
+    study.add_trial(create(state=TrialState.FAIL, user_attrs={"lineage": 4, "interrupted": True}))
+    assert settled_lineages(study) == {0, 2, 3}
+
+    recover_stale_trials(study)  # trials 1 and 4 retried: the retry of 4 continues lineage 4
+    assert settled_lineages(study) == {0, 2, 3}
+    study.add_trial(create(state=TrialState.COMPLETE, value=0.5, user_attrs={"lineage": 4, "retry_of": 4}))
+    assert settled_lineages(study) == {0, 2, 3}  # the first retry of 4 still waits
