@@ -288,8 +288,8 @@ class SweepTracker:
     def log_metrics(
         self, run_id: str, rows: Iterable[tuple[str, float, int]], tags: dict[str, str] | None = None
     ) -> None:
-        """Log ``(key, value, step)`` rows, stamped now, and ``tags`` with them: one call, which a
-        local store applies in one transaction (MLflow's client splits it into calls it accepts)."""
+        """Log ``(key, value, step)`` rows, stamped now, and ``tags`` with them, in one call to the
+        store (MLflow's client splits it into calls it accepts)."""
         now = get_current_time_millis()
         self._log_batch(
             run_id,

@@ -12,10 +12,11 @@ Per step the worker also: checkpoints adapters a few times over their steps
 (``train.checkpoint_every``); scores adapters on a slice of the eval set every
 ``pruning.interval`` steps and asks their trial whether to stop; scores adapters that finished,
 copies each out of the pack and frees its slot, while threads of its own write the adapter
-(``exporter``), then report its run and hand its trial the outcome (``finisher``); feeds warm step times back into
-its cost model. A step that runs out of device memory is undone and the pack split: the adapters
-that still fit (by the corrected memory estimate) train on, the others wait in host memory and
-rejoin when room frees up. A trial that another process took over (its ticket withdrawn) leaves
+(``exporter``), then report its run and hand its trial the outcome (``finisher``); removes settled
+trials' checkpoints once none is left to record; feeds warm step times back into its cost model.
+A step that runs out of device memory is undone and the pack split: the adapters that still fit
+(by the corrected memory estimate) train on, the others wait in host memory and rejoin when room
+frees up. A trial that another process took over (its ticket withdrawn) leaves
 at the next step boundary, and nothing more of it is written here.
 
 Everything the worker tells the outside goes through its reporter, progress hooks and trial
@@ -194,7 +195,7 @@ class DeviceWorker:
         # copies are what the next copies reuse. The finishing thread reports runs and hands results over.
         self.exporter = JobThread(f"plora-{self.name}-exports", FINISHING_QUEUE_BYTES)
         self.finisher = JobThread(f"plora-{self.name}-finishing", 0)
-        # settled trials' checkpoints, to be removed once no finished trial is left to record here
+        # settled trials' checkpoints whose removal waits (remove_checkpoint)
         self._held_removals: list[tuple[CheckpointStore, int]] = []
         self._removals_lock = threading.Lock()
         self.memory_correction = 1.0  # raised after an out-of-memory step: measured need ÷ prediction
@@ -1011,7 +1012,8 @@ class _Pack:
         self._settle(slot, outcome)
 
     def _settle(self, slot: _Slot, outcome: TrialOutcome) -> None:
-        """A trial out of the pack: its checkpoint goes (after its queued saves), its result is handed over."""
+        """A trial out of the pack: its checkpoint is to go (:meth:`DeviceWorker.remove_checkpoint`),
+        its result is handed over."""
         with phase("checkpoint"):
             self.worker.remove_checkpoint(slot.request)
         with phase("optuna"):

@@ -224,35 +224,43 @@ def test_the_pack_trains_on_while_its_finished_trials_are_recorded(tmp_path, mon
         assert client.get_run(t.user_attrs["mlflow_run_id"]).info.status == "FINISHED"
 
 
+def _another_adapter_written(adapter_dir: Path, timeout: float = 30.0) -> bool:
+    """Wait until another finished adapter's files are beside ``adapter_dir``; whether they came."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(d != adapter_dir and (d / "adapter_config.json").is_file() for d in adapter_dir.parent.iterdir()):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _record_two_finishing_together(sweep, study, monkeypatch, completed) -> None:
+    """Train two trials that finish together, each one's MLflow record going through
+    ``completed(real_trial_completed, *its_args)``; both end COMPLETE."""
+    real = sweep.reporter.trial_completed
+    monkeypatch.setattr(sweep.reporter, "trial_completed", lambda *args: completed(real, *args))
+    try:
+        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=2, n_jobs=2)
+    finally:
+        sweep.close()
+    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
+
+
 def test_a_finished_trial_s_files_are_written_while_the_one_before_is_reported(tmp_path, monkeypatch):
     """Two trials finish together: the second one's adapter files are written while the first one's
     MLflow run is still being reported (the report waits here for them; recorded one after the
     other on a single thread, it would wait in vain)."""
     sweep, study, tracker = open_sweep(tmp_path, "stages", budget={"steps": 3}, pack={"size": 2, "gather_seconds": 10})
-    real_completed, waited = sweep.reporter.trial_completed, []
+    waited = []
 
-    def slow_completed(record, pack_id, metrics, adapter_dir, stats):
+    def slow_completed(real, record, pack_id, metrics, adapter_dir, stats):
         if not waited:
-            deadline = time.monotonic() + 30
-            others = []
-            while not others and time.monotonic() < deadline:
-                others = [
-                    d
-                    for d in adapter_dir.parent.iterdir()
-                    if d != adapter_dir and (d / "adapter_config.json").is_file()
-                ]
-                time.sleep(0.05)
-            waited.append(bool(others))
-        return real_completed(record, pack_id, metrics, adapter_dir, stats)
+            waited.append(_another_adapter_written(adapter_dir))
+        return real(record, pack_id, metrics, adapter_dir, stats)
 
-    monkeypatch.setattr(sweep.reporter, "trial_completed", slow_completed)
-    try:
-        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=2, n_jobs=2)
-    finally:
-        sweep.close()
+    _record_two_finishing_together(sweep, study, monkeypatch, slow_completed)
 
     assert waited == [True]
-    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     client = MlflowClient(tracker.tracking_uri)
     for t in study.trials:
         assert (Path(t.user_attrs["adapter_dir"]) / "adapter_model.safetensors").is_file()
@@ -266,29 +274,19 @@ def test_checkpoints_of_trials_that_finish_together_go_once_all_are_recorded(tmp
     sweep, study, _ = open_sweep(
         tmp_path, "removals", budget={"steps": 3}, pack={"size": 2, "gather_seconds": 10}, train={"checkpoint_every": 1}
     )
-    checkpoints = sweep.run_dir / "checkpoints"
-    real_completed, seen = sweep.reporter.trial_completed, []
+    checkpoints, seen = sweep.run_dir / "checkpoints", []
 
-    def slow_completed(record, pack_id, metrics, adapter_dir, stats):
+    def slow_completed(real, record, pack_id, metrics, adapter_dir, stats):
         if not seen:  # the second trial's files are written, so its record is queued behind this one
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline and not [
-                d for d in adapter_dir.parent.iterdir() if d != adapter_dir and (d / "adapter_config.json").is_file()
-            ]:
-                time.sleep(0.05)
+            assert _another_adapter_written(adapter_dir)
             time.sleep(0.3)
         else:
             time.sleep(1.0)  # time enough for a removal started when the first record ended
         seen.append(len(list(checkpoints.rglob("t*.pt"))))
-        return real_completed(record, pack_id, metrics, adapter_dir, stats)
+        return real(record, pack_id, metrics, adapter_dir, stats)
 
-    monkeypatch.setattr(sweep.reporter, "trial_completed", slow_completed)
-    try:
-        study.optimize(PackedObjective(sweep, "synthetic"), n_trials=2, n_jobs=2)
-    finally:
-        sweep.close()
+    _record_two_finishing_together(sweep, study, monkeypatch, slow_completed)
 
-    assert [t.state for t in study.trials] == [TrialState.COMPLETE] * 2
     assert seen == [2, 2]  # both checkpoints still there during the second record
     assert not list(checkpoints.rglob("t*.pt"))  # and both gone after
 
