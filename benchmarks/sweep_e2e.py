@@ -504,13 +504,8 @@ def gpu_idle_by_phase(spans: list[tuple[float, float, str]], samples: list[tuple
 
 def is_worker_thread(name: str) -> bool:
     """A device's training loop (``plora-<device>``), not one of its background threads."""
-    background = name.endswith("-checkpoints") or is_finishing(name) or is_deleter(name) or is_loader(name)
+    background = name.endswith("-checkpoints") or is_finishing(name) or is_deleter(name)
     return name.startswith("plora-") and not background
-
-
-def is_loader(name: str) -> bool:
-    """The thread that loads the tasks' data beside the base model."""
-    return name.startswith("plora-load-data")
 
 
 def is_finishing(name: str) -> bool:
@@ -571,9 +566,7 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
     deletes = [e for e in events if is_deleter(e["thread"]) and e["phase"] == "checkpoint-delete"]
     finishing = [e for e in events if is_finishing(e["thread"])]
     exits = [e for e in events if e["phase"] == EXIT_PHASE]
-    loading = [  # processes' own, their data loading beside the model included
-        e for e in events if (e["thread"] == "MainThread" or is_loader(e["thread"])) and e["phase"] != EXIT_PHASE
-    ]
+    loading = [e for e in events if e["thread"] == "MainThread" and e["phase"] != EXIT_PHASE]  # processes' own
     events = [e for e in events if is_worker_thread(e["thread"])]
     if not events:
         return {"note": "no timeline events (PLORA_HPO_TIMELINE not honoured?)"}
@@ -654,9 +647,8 @@ def summarize_timeline(events: list[dict], start: float, end: float, samples: li
         "step_seconds_first": steps[0] if steps else None,
         "note": "exclusive wall seconds of the worker thread by innermost phase; 'loop' = in a pack, no phase; "
         "'startup' = process start to the worker's first phase (imports, input checks, model and data, "
-        "stores), with startup_phases the parts of it the sweep's processes timed (summed over processes and "
-        "threads: they overlap, load-data beside load-model; check-* and check-resume are parts of check-inputs); "
-        "shutdown_phases: the same after the "
+        "stores), with startup_phases the parts of it the sweep's processes timed (summed over processes: they "
+        "overlap; check-* and check-resume are parts of check-inputs); shutdown_phases: the same after the "
         "worker's first phase (closing); "
         "'shutdown' = the worker's last phase to process exit; gpu_idle_s_by_phase: the GPU's idle seconds inside "
         "each of those (NVML samples, each held until the next); background_checkpoint_write_s: the checkpoint "

@@ -13,7 +13,6 @@ Boundary: loading; how the parts are used is the recipe's and the workers'.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -99,36 +98,16 @@ def sweep_train_examples(config: SweepConfig, spec: TaskSpec, tokenizer: Any, da
 def load_replica(config: SweepConfig, device: torch.device, data_dir: str | None, *, sharded: bool = False) -> Replica:
     """Load the base model on ``device`` and every task's data (timed as ``load-model`` and
     ``load-data``). Raises :class:`~plora_hpo.errors.ConfigError` for a model without a tokenizer
-    or a batch size larger than a task's training set, and the loaders' errors for missing data.
-
-    The data loads on a thread of its own while the model loads: reading and tokenizing the
-    training sets and building lm-eval's tasks is seconds of start-up the device would otherwise
-    wait through (the model's error, if any, is raised first, as if they loaded in turn)."""
+    or a batch size larger than a task's training set, and the loaders' errors for missing data."""
     from plora_hpo.tasks import resolve_task
 
+    with phase("load-model"):
+        base = load_base(config, device, sharded=sharded)
     specs = {task: resolve_task(task, config.custom_tasks) for task in config.tasks}
-    with ThreadPoolExecutor(1, thread_name_prefix="plora-load-data") as pool:
-        data = pool.submit(_load_data, config, specs, data_dir)
-        with phase("load-model"):
-            base = load_base(config, device, sharded=sharded)
-        tasks, eval_tasks = data.result()
-    return Replica(replica_key(config, device, data_dir), base, specs, tasks, eval_tasks)
-
-
-def _load_data(
-    config: SweepConfig, specs: dict[str, TaskSpec], data_dir: str | None
-) -> tuple[dict[str, TaskData], dict[str, Any]]:
-    """Every task's training examples, tokenized by the model's tokenizer, and its lm-eval task
-    objects (timed as ``load-data``). The model's load refuses a model without a tokenizer."""
-    from plora_hpo.models import load_tokenizer
-
     tasks: dict[str, TaskData] = {}
     with phase("load-data"):
-        tokenizer = load_tokenizer(config.model)
-        if tokenizer is None:  # a random-init shape: load_base says so
-            return tasks, {}
         for name in config.tasks:
-            examples = sweep_train_examples(config, specs[name], tokenizer, data_dir)
+            examples = sweep_train_examples(config, specs[name], base.tokenizer, data_dir)
             largest_batch = max(config.space.batch_size.choices or [config.space.batch_size.high])
             if largest_batch > len(examples):
                 raise ConfigError(
@@ -138,4 +117,4 @@ def _load_data(
             tasks[name] = TaskData(examples=examples, metric=specs[name].primary_metric)
         # built now so that missing evaluation data fails with one clear line
         eval_tasks = fresh_eval_tasks(config, specs, data_dir)
-    return tasks, eval_tasks
+    return Replica(replica_key(config, device, data_dir), base, specs, tasks, eval_tasks)
