@@ -89,11 +89,9 @@ LOAD_FACTOR = 0.9  # the planner's default C: packs use at most 90% of device me
 CALIBRATION_STEPS = 8  # warm steps of one pack composition that become a cost-model observation
 ROTATE_MIN_LEAD = 25
 """A member yields its place in a full pack (``pack.rotate``) to a waiting trial that has more
-steps left by at least 1 / :data:`~plora_hpo.planner.cost_model.ROTATION_TURNS` of the steps that
-trial has left (and by at least ``ROTATE_MIN_LEAD``): the lead shrinks as the sweep's end nears, so
-the turns are long while much is left and the pack's members end within ``ROTATE_MIN_LEAD`` steps
-of each other, not within a fixed share of their steps (the pack would train its last few trials
-alone for that share)."""
+steps left by at least 1 / :data:`~plora_hpo.planner.cost_model.ROTATION_TURNS` of that trial's
+steps (and by at least ``ROTATE_MIN_LEAD``): a trial moves in and out about that many times, and
+the pack's members end within that many steps of each other."""
 FINISHING_QUEUE_BYTES = 1 << 30
 """Host bytes of finished adapters' copies a device may queue for writing before its loop waits."""
 
@@ -1092,7 +1090,7 @@ class _Pack:
             if not waiting:
                 return
             behind, ticket, state = max(waiting, key=lambda w: w[0])
-            lead = max(ROTATE_MIN_LEAD, math.ceil(behind / ROTATION_TURNS))
+            lead = max(ROTATE_MIN_LEAD, math.ceil(worker.total_steps(ticket.request) / ROTATION_TURNS))
             ahead = sorted(
                 (self.trainer.jobs[a].total_steps - self.trainer.steps_done[a], a)
                 for a in self.trainer.jobs

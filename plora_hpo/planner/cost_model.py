@@ -49,10 +49,9 @@ GIB = 2**30
 # every other projection by output rows); repeated here so that the planner needs no torch
 ROW_PARALLEL = ("o_proj", "down_proj")
 ROTATION_TURNS = 8
-"""How finely a full pack with ``pack.rotate`` takes turns: a waiting trial takes a member's place
-once it is behind by 1 / ``ROTATION_TURNS`` of the steps it has left (the sweep's worker), and
-:meth:`CostModel.rotating_pack_seconds` plays each turn for that share of the longest member's
-steps left."""
+"""Turns a full pack with ``pack.rotate`` takes to train its members: a waiting trial takes a
+member's place once it is behind by 1 / ``ROTATION_TURNS`` of its steps (the sweep's worker), and
+:meth:`CostModel.rotating_pack_seconds` plays the pack in that many turns."""
 
 
 @dataclass(frozen=True)
@@ -595,11 +594,10 @@ class CostModel:
         (a sweep's ``pack.rotate``): those with the most steps left train, as many as fit in
         ``memory_limit`` per GPU (and ``max_members``), while the others wait.
 
-        Played in turns of ``1 / turns`` of the longest member's steps left (shorter when a member
-        is done first), so that the turns shorten toward the end and the members end together:
-        each turn the members furthest behind are taken in that order, skipping any that would not
-        fit beside those taken, and every step of the turn costs :meth:`step_seconds` of them.
-        Without turns (all fit at once) it is :meth:`pack_seconds`.
+        Played in turns of ``1 / turns`` of the longest member's steps (shorter when a member is
+        done first): each turn the members furthest behind are taken in that order, skipping any
+        that would not fit beside those taken, and every step of the turn costs
+        :meth:`step_seconds` of them. Without turns (all fit at once) it is :meth:`pack_seconds`.
         """
         own = [self.adapter_memory_terms(c, degree) for c in configs]
 
@@ -611,9 +609,9 @@ class CostModel:
         if len(configs) <= cap and fits(list(range(len(configs)))):
             return self.pack_seconds(configs, steps, degree)
         left = [int(n) for n in steps]
+        turn = max(1, math.ceil(max(left) / turns))
         total = 0.0
         while behind := sorted((i for i, n in enumerate(left) if n > 0), key=lambda i: -left[i]):
-            turn = math.ceil(left[behind[0]] / turns)
             taken: list[int] = []
             for i in behind:
                 if len(taken) == cap:
