@@ -1,0 +1,22 @@
+# The device calls that wrote sweep-e2e-mrpc-800t-warmup-h100.json/.png, sweep-e2e-mrpc-800t-sweep-h100.json/.png,
+# sweep-e2e-mrpc-800u-warmup-h100.json/.png, sweep-e2e-mrpc-800u-sweep-h100.json/.png and
+# sweep-e2e-mrpc-800u-colocated-h100.json (2026-12-08 UTC), in this order, on two H100 machines (asked for as
+# nvidia-h200 with needs_h200 false, which takes an H100 or an H200), from the repository root, with
+# benchmarks/results/quality-*.json and sweep-e2e-*.json set aside to keep the tree under the device's limit. Two calls
+# before them failed to start a machine. The scripts wrote <name>.json / <name>.png under $OUT; they are committed as
+# sweep-e2e-<name>.json / .png, byte for byte.
+# Calls 1 and 2: the first machine, the tree of commit a6b5920 (rotation's lead shrinking with the waiting trial's
+# steps left, 13c159f; withdrawn in aba54ba); .whl and .device_data/mrpc (GLUE MRPC's train.tsv and dev.tsv) carried.
+# 1 -> mrpc-800t-warmup-h100 (the machine's first sweep, 50 steps)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1; export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 50 --engine-steps 0 --sequential 0 --colocated-k 0 --budget-s 300 --sweep-timeout-s 200 --data-dir .device_data --tokenizer .whl/tokenizer --name mrpc-800t-warmup-$G --out $OUT 2>&1 | tail -16
+# 2 -> mrpc-800t-sweep-h100 (warm: the sweep, 800 steps)
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 800 --engine-steps 0 --sequential 0 --colocated-k 0 --bytecode as-is --budget-s 420 --sweep-timeout-s 400 --data-dir .device_data --tokenizer .whl/tokenizer --name mrpc-800t-sweep-$G --out $OUT 2>&1 | tail -22
+# Calls 3 to 5: a second, fresh machine, the tree of commit aba54ba (the worker and planner as at 1f843f1: rotation's
+# lead a fixed eighth of a trial's steps); the same carry.
+# 3 -> mrpc-800u-warmup-h100 (the machine's first sweep, 50 steps)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; python3 -m compileall -q -j 16 /tmp/site >/dev/null 2>&1; python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1; export HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 50 --engine-steps 0 --sequential 0 --colocated-k 0 --budget-s 300 --sweep-timeout-s 200 --data-dir .device_data --tokenizer .whl/tokenizer --name mrpc-800u-warmup-$G --out $OUT 2>&1 | tail -16
+# 4 -> mrpc-800u-sweep-h100 (warm: the sweep, 800 steps)
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 800 --engine-steps 0 --sequential 0 --colocated-k 0 --bytecode as-is --budget-s 420 --sweep-timeout-s 400 --data-dir .device_data --tokenizer .whl/tokenizer --name mrpc-800u-sweep-$G --out $OUT 2>&1 | tail -22
+# 5 -> mrpc-800u-colocated-h100 (one wave of four co-located PEFT processes against call 4's sweep, --sweep-from its
+#      JSON); .device_data/mrpc-800u-sweep-h100.json (call 4's file) carried too
+export PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 MLFLOW_DISABLE_TELEMETRY=true PYTHONUNBUFFERED=1; G=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o 'H[0-9]\+' | head -1 | tr A-Z a-z); python3 benchmarks/sweep_e2e.py --steps 800 --engine-steps 0 --sequential 0 --colocated-k 4 --colocated-configs 4 --bytecode as-is --sweep-from .device_data/mrpc-800u-sweep-h100.json --budget-s 285 --data-dir .device_data --tokenizer .whl/tokenizer --name mrpc-800u-colocated-$G --out $OUT 2>&1 | tail -12
