@@ -146,6 +146,11 @@ def recover_stale_trials(study: optuna.Study) -> list[int]:
     return [t.number for t in stale]
 
 
+def lineage_of(trial: optuna.trial.BaseTrial) -> int:
+    """The lineage a trial trains in (its checkpoint key): its predecessor's for a retry, else its own number."""
+    return trial.user_attrs.get("lineage", trial.number)
+
+
 def settled_lineages(study: optuna.Study) -> set[int]:
     """Lineages that will not train again: a trial of theirs has its result (complete, pruned,
     or failed on a non-finite loss or gradient) and none waits or runs. Their checkpoints are no
@@ -153,9 +158,9 @@ def settled_lineages(study: optuna.Study) -> set[int]:
     checkpoint leaves one behind."""
     states = optuna.trial.TrialState
     trials = study.get_trials(deepcopy=False)
-    live = {t.user_attrs.get("lineage", t.number) for t in trials if t.state in (states.WAITING, states.RUNNING)}
+    live = {lineage_of(t) for t in trials if t.state in (states.WAITING, states.RUNNING)}
     settled = {
-        t.user_attrs.get("lineage", t.number)
+        lineage_of(t)
         for t in trials
         if t.state in (states.COMPLETE, states.PRUNED) or (t.state == states.FAIL and "fail_reason" in t.user_attrs)
     }
@@ -294,9 +299,8 @@ def trial_request(trial: optuna.Trial, task: str, config: Any, pruning: bool) ->
     A retry of a crashed trial carries its predecessor's ``lineage`` and ``mlflow_run_id`` (see
     :func:`recover_stale_trials`), so it continues that checkpoint and that MLflow run.
     """
-    lineage = trial.user_attrs.get("lineage")
-    if lineage is None:
-        lineage = trial.number
+    lineage = lineage_of(trial)
+    if "lineage" not in trial.user_attrs:
         trial.set_user_attr("lineage", lineage)
 
     # Both run on the worker's thread. Another process may have finished the trial meanwhile
